@@ -1,0 +1,43 @@
+"""Developer and CI sessions: `nox -s tests`, `nox -s smoke`, `nox -s lint` (see README)."""
+
+from __future__ import annotations
+
+import sys
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# Every CPU install pins torch exactly: any other version (or none) pulls gigabytes of CUDA wheels.
+TORCH_CPU = "torch==2.13.0"
+# MLX runs on Linux as mlx[cpu], so the Apple Silicon path is tested for real everywhere.
+MLX_LINUX = ["mlx[cpu]>=0.20", "mlx-lm>=0.20"] if sys.platform.startswith("linux") else []
+
+
+def install_ptbr(session: nox.Session, extras: str) -> None:
+    session.install(TORCH_CPU)
+    session.install("-e", f".[{extras}]", TORCH_CPU)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite (tiny models, real CLI, real QLoRA on CPU, real container build)."""
+    install_ptbr(session, "finetune,kaggle,dev")
+    if MLX_LINUX:
+        session.install(*MLX_LINUX, TORCH_CPU)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the package, the tests and this file."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "ptbr", "tests", "noxfile.py", *session.posargs)
+
+
+@nox.session
+def smoke(session: nox.Session) -> None:
+    """A fresh environment, then `ptbr smoke`: one step of `tiny` on the bundled sample."""
+    install_ptbr(session, "dev")
+    session.run("ptbr", "smoke", *session.posargs)

@@ -1,0 +1,144 @@
+"""The `ptbr` command line: argument parsing only; each command's module is imported when it runs.
+
+Library errors (PtbrError) become one line `error: WHAT (WHERE); fix: HOW` and the error's exit
+code; `--debug` or PTBR_DEBUG=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from ptbr import __version__
+from ptbr.config import PretrainConfig, settings_fields
+
+EXIT_CODES = """exit codes:
+  0  success            1  unexpected crash (see crash_report.txt)
+  2  bad settings       3  bad data            4  model/tokenizer/checkpoint
+  5  device/memory      6  output directory    7  training diverged (NaN/inf)
+  9  smoke test failed  130 stopped by a signal (checkpoint saved; run again to resume)"""
+
+# command -> (module:function, one-line help); modules load only when their command runs
+COMMANDS = {
+    "prepare": ("ptbr.commands.prepare:main", "tokenize .txt/.jsonl text into train.bin/val.bin (+ tokenizer)"),
+    "info": ("ptbr.commands.info:main", "describe a dataset, or a model preset with its memory estimate"),
+    "train": ("ptbr.commands.train:main", "pretrain a model from scratch"),
+    "test-gpu": ("ptbr.commands.test_gpu:main", "probe the accelerator with one real training step"),
+    "generate": ("ptbr.commands.generate:main", "sample text from a trained model"),
+    "smoke": ("ptbr.commands.smoke:main", "one tiny training step, save and reload: is this install sound?"),
+}
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per settings field; defaults stay in the dataclass (flags default to 'not given')."""
+    for f, annotation in settings_fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.default is not None:
+            help_text += f" (default: {f.default})"
+        kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        base = annotation if annotation in (bool, int, float, str) else _optional_base(annotation)
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            parser.add_argument(flag, type=base, metavar=f.name.upper(), **kwargs)
+    parser.add_argument("--config", help="JSON or YAML file with the same settings in snake_case; flags override it")
+
+
+def _optional_base(annotation) -> type:
+    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+    return args[0] if args else str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ptbr", description="Train Portuguese (PT-BR) language models reproducibly.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ptbr {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also PTBR_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("prepare", help=COMMANDS["prepare"][1], description=COMMANDS["prepare"][1])
+    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE_OR_DIR",
+                   help=".txt files (blank-line separated documents), .jsonl files with a \"text\" field, or directories")
+    p.add_argument("--output", required=True, help="dataset directory to write")
+    p.add_argument("--vocab-size", type=int, default=32000, help="BPE vocabulary size (default: 32000)")
+    p.add_argument("--val-fraction", type=float, default=0.005, help="share of tokens for val.bin (default: 0.005)")
+    p.add_argument("--tokenizer", help="reuse this tokenizer.json instead of training one")
+
+    p = sub.add_parser("info", help=COMMANDS["info"][1], description=COMMANDS["info"][1])
+    p.add_argument("--data", help="dataset directory")
+    p.add_argument("--tokenizer", help="tokenizer.json (for datasets without meta.json)")
+    p.add_argument("--model-size", help="a preset: tiny, 85m, 400m, 800m")
+    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary for --model-size (default: 32000)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("train", help=COMMANDS["train"][1], description=COMMANDS["train"][1])
+    add_settings_flags(p, PretrainConfig)
+
+    p = sub.add_parser("test-gpu", help=COMMANDS["test-gpu"][1], description=COMMANDS["test-gpu"][1])
+    p.add_argument("--model-size", default="400m")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+
+    p = sub.add_parser("generate", help=COMMANDS["generate"][1], description=COMMANDS["generate"][1])
+    p.add_argument("prompt", help='text to continue, e.g. "Era uma vez"')
+    p.add_argument("--model", required=True, help="a model directory (OUTPUT/final) or a base model")
+    p.add_argument("--adapter", help="a LoRA adapter directory (OUTPUT/adapters) to apply to --model")
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=100, dest="max_new_tokens")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+
+    p = sub.add_parser("smoke", help=COMMANDS["smoke"][1], description=COMMANDS["smoke"][1])
+    p.add_argument("--output", help="keep the smoke run here (default: a temporary directory)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
+    from ptbr.errors import PtbrError
+    from ptbr.log import setup_console
+
+    setup_console()
+    target, _ = COMMANDS[args.command]
+    module_name, function = target.split(":")
+    try:
+        return int(getattr(importlib.import_module(module_name), function)(args) or 0)
+    except PtbrError as exc:
+        if debug:
+            raise
+        print(exc.one_line(), file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line + a crash report
+        if debug:
+            raise
+        from ptbr.crash import write_crash_report
+
+        report = write_crash_report(args, exc)
+        where = f"details in {report}" if report else "rerun with --debug for the traceback"
+        print(f"error: unexpected {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} ({where}); "
+              "fix: report it with that file", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

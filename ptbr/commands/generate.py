@@ -1,0 +1,57 @@
+"""`ptbr generate`: sample a continuation from a trained model (optionally with a LoRA adapter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ptbr.commands import quiet_transformers
+from ptbr.errors import ConfigError, ModelError
+
+
+def load_for_generation(model_dir: str, adapter: str | None, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_dir)
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelError("no config.json in the model directory", str(path), "give OUTPUT/final or a Hugging Face model dir")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    except OSError as exc:
+        raise ModelError(f"cannot load the model: {str(exc).splitlines()[0]}", model_dir,
+                         "give a local model directory (OUTPUT/final)") from exc
+    if adapter:
+        from peft import PeftModel
+
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise ModelError("no adapter_config.json in the adapter directory", adapter, "give OUTPUT/adapters")
+        model = PeftModel.from_pretrained(model, adapter)
+    return tokenizer, model.to(device).eval()
+
+
+def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
+    import torch
+
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    sampling = temperature > 0
+    options = {"do_sample": sampling, "max_new_tokens": max_new_tokens,
+               "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id}
+    if sampling:
+        options.update(temperature=temperature, top_k=top_k)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        output = model.generate(**inputs, **options)
+    return tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def main(args) -> int:
+    if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0:
+        raise ConfigError("--max-new-tokens must be > 0, --temperature and --top-k >= 0", "ptbr generate",
+                          "correct the values")
+    quiet_transformers()
+    from ptbr.train.device import resolve_device
+
+    tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device))
+    text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + text)
+    return 0

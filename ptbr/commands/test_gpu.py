@@ -1,0 +1,85 @@
+"""`ptbr test-gpu`: probe the accelerator, then one real forward + backward + step of a preset."""
+
+from __future__ import annotations
+
+import time
+
+from ptbr.commands import quiet_transformers
+
+
+def probe_accelerator() -> dict:
+    """What torch sees; never raises (a diagnostic must not crash itself)."""
+    facts: dict = {}
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        facts["cuda_available"] = torch.cuda.is_available()
+        facts["cuda_build"] = torch.version.cuda
+        facts["gpus"] = []
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            free, total = torch.cuda.mem_get_info(index)
+            facts["gpus"].append({
+                "index": index, "name": props.name, "memory_total": total, "memory_free": free,
+                "compute_capability": f"{props.major}.{props.minor}",
+            })
+        if facts["cuda_available"]:
+            facts["real_bf16"] = torch.cuda.is_bf16_supported(including_emulation=False)
+            facts["fp16"] = True
+        mps = getattr(torch.backends, "mps", None)
+        facts["mps_available"] = bool(mps and mps.is_available())
+    except Exception as exc:  # noqa: BLE001
+        facts["error"] = f"{type(exc).__name__}: {exc}"
+    return facts
+
+
+def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: int, device: str, precision: str) -> dict:
+    import numpy as np
+    import torch
+
+    from ptbr.config import LoopSettings, get_preset
+    from ptbr.model import build_model, count_parameters
+    from ptbr.train.device import resolve_device, resolve_precision
+    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+
+    preset = get_preset(model_size)
+    placement = resolve_precision(resolve_device(device), precision)
+    if placement.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(placement.device)
+    started = time.monotonic()
+    model = build_model(preset, vocab_size, eos_id=0, seed=0).to(placement.device)
+    settings = LoopSettings()
+    backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
+    windows = np.random.default_rng(0).integers(0, vocab_size, size=(batch_size, seq_len + 1))
+    build_s = time.monotonic() - started
+    started = time.monotonic()
+    result = backend.train_step([windows_to_batch(windows)], lr=1e-4)
+    if placement.device.type == "cuda":
+        torch.cuda.synchronize(placement.device)
+    return {
+        "device": str(placement.device), "precision": placement.precision, "reason": placement.reason,
+        "model_size": model_size, "parameters": count_parameters(model), "batch_size": batch_size,
+        "seq_len": seq_len, "loss": result.loss, "grad_norm": result.grad_norm,
+        "build_s": round(build_s, 2), "step_s": round(time.monotonic() - started, 2),
+        "peak_memory_bytes": backend.memory_bytes(),
+    }
+
+
+def main(args) -> int:
+    quiet_transformers()
+    facts = probe_accelerator()
+    print(f"torch {facts.get('torch')} (CUDA build {facts.get('cuda_build')})")
+    if facts.get("gpus"):
+        for gpu in facts["gpus"]:
+            print(f"GPU {gpu['index']}: {gpu['name']}, compute {gpu['compute_capability']}, "
+                  f"{gpu['memory_free'] / 1024**3:.1f} of {gpu['memory_total'] / 1024**3:.1f} GiB free")
+        print(f"real bf16: {facts.get('real_bf16')} (T4-class GPUs: no -> fp16 + GradScaler)")
+    else:
+        print("no CUDA GPU found" + (" (Apple MPS is available)" if facts.get("mps_available") else "")
+              + ": running the probe on the CPU")
+    r = run_probe_step(args.model_size, args.batch_size, args.seq_len, args.vocab_size, args.device, args.precision)
+    print(f"one training step of {r['model_size']} ({r['parameters']:,} parameters) on {r['device']} in "
+          f"{r['precision']}: batch {r['batch_size']} x {r['seq_len']}, loss {r['loss']:.4f}, "
+          f"step {r['step_s']} s, peak memory {r['peak_memory_bytes'] / 1024**3:.2f} GiB")
+    return 0

@@ -1,0 +1,14 @@
+"""`ptbr train`."""
+
+from ptbr.commands import quiet_transformers, settings_from_args
+from ptbr.config import PretrainConfig
+
+
+def main(args) -> int:
+    settings = settings_from_args(PretrainConfig, args)
+    args.output = settings.output  # for the crash report
+    quiet_transformers()
+    from ptbr.train.pretrain import run_pretrain
+
+    run_pretrain(settings)
+    return 0

@@ -1,0 +1,76 @@
+"""Byte-level BPE tokenizers: training with `tokenizers`, loading with clear errors, hashing."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from ptbr.errors import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2):
+    """Train a byte-level BPE tokenizer (GPT-2 style: no unknown tokens, any UTF-8 text round-trips)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer.json; a missing or corrupt file is a DataError naming it."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"tokenizer not found: {path}", "--tokenizer", "give the tokenizer.json written by `ptbr prepare`")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+        reason = str(exc).splitlines()[0][:200]
+        raise DataError(f"tokenizer.json is corrupt or not a tokenizer: {reason}", str(path),
+                        "re-create it with `ptbr prepare` or copy the original file again") from exc
+
+
+def eos_id(tokenizer) -> int:
+    """The id that separates documents: <|endoftext|>, or the tokenizer's own </s>-like token."""
+    for token in (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>"):
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise DataError("the tokenizer has no end-of-text token", "tokenizer.json",
+                    f"use a tokenizer with {EOS_TOKEN} (as `ptbr prepare` trains)")
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_for_transformers(tokenizer_path: str | Path, directory: str | Path) -> None:
+    """Write the tokenizer so that `AutoTokenizer.from_pretrained(directory)` loads it without ptbr."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    eos = tokenizer.id_to_token(eos_id(tokenizer))
+    pad = PAD_TOKEN if tokenizer.token_to_id(PAD_TOKEN) is not None else eos
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=pad)
+    fast.save_pretrained(str(directory))

@@ -1,0 +1,213 @@
+"""Token datasets on disk (train.bin/val.bin memmaps) and the batches sampled from them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ptbr.data.tokenizer import eos_id, file_sha256, load_tokenizer
+from ptbr.errors import DataError
+
+# Tokens scanned for the max id when a dataset has no meta.json; every batch is checked anyway.
+QUICK_SCAN_TOKENS = 1 << 22
+
+
+@dataclass
+class TokenDataset:
+    """A dataset directory: train.bin (+ val.bin), its tokenizer and what meta.json says."""
+
+    directory: Path
+    tokenizer_path: Path
+    dtype: np.dtype
+    vocab_size: int
+    eos_id: int
+    meta: dict | None
+    train: np.memmap
+    val: np.memmap | None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def train_path(self) -> Path:
+        return self.directory / "train.bin"
+
+    @property
+    def val_path(self) -> Path:
+        return self.directory / "val.bin"
+
+    def max_token_id(self, split: str = "train", chunk: int = 1 << 24) -> int:
+        tokens = self.train if split == "train" else self.val
+        if tokens is None or len(tokens) == 0:
+            return -1
+        return int(max(tokens[i:i + chunk].max() for i in range(0, len(tokens), chunk)))
+
+
+def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> TokenDataset:
+    """Open and check a dataset directory, in the ptbr layout (meta.json) or the older one
+    (raw uint16 train.bin and a tokenizer.json given with --tokenizer). All problems in one error."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataError(f"data directory not found: {directory}", "--data",
+                        "give the directory written by `ptbr prepare` (train.bin, val.bin, meta.json)")
+    train_path = directory / "train.bin"
+    if not train_path.is_file():
+        raise DataError("no train.bin in the data directory", str(directory),
+                        "run `ptbr prepare --input TEXTS --output DIR` first")
+    meta = _read_meta(directory)
+    tokenizer_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise DataError(f"tokenizer not found: {tokenizer_path}", "--tokenizer",
+                        "give --tokenizer FILE (datasets in the older layout have no tokenizer.json)")
+    tok = load_tokenizer(tokenizer_path)
+    vocab_size = tok.get_vocab_size()
+    problems: list[str] = []
+    warnings: list[str] = []
+    if meta is not None:
+        dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")
+        if meta.get("vocab_size") != vocab_size:
+            problems.append(f"meta.json says vocab_size {meta.get('vocab_size')} but the tokenizer has {vocab_size}")
+        sha = meta.get("tokenizer_sha256")
+        if sha and sha != file_sha256(tokenizer_path):
+            problems.append(f"meta.json was written with a different tokenizer than {tokenizer_path} (sha256 differs)")
+    else:
+        dtype = np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
+        warnings.append(f"no meta.json: older layout, assuming {dtype.name} tokens for a {vocab_size}-token vocab")
+
+    def load(path: Path) -> np.memmap | None:
+        if not path.is_file():
+            return None
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            problems.append(f"{path.name} has {size} bytes, not a multiple of {dtype.itemsize} ({dtype.name} tokens): "
+                            "the file is truncated or not a token file")
+            return None
+        if size == 0:
+            problems.append(f"{path.name} is empty")
+            return None
+        return np.memmap(path, dtype=dtype, mode="r")
+
+    train = load(train_path)
+    val = load(directory / "val.bin")
+    if meta is not None and train is not None and meta.get("train_tokens") not in (None, len(train)):
+        problems.append(f"meta.json says {meta['train_tokens']} train tokens but train.bin holds {len(train)}")
+    if meta is None and train is not None:
+        top = int(train[:QUICK_SCAN_TOKENS].max())
+        if top >= vocab_size:
+            problems.append(f"train.bin holds token id {top} >= vocab size {vocab_size}: "
+                            "wrong tokenizer or wrong dtype")
+    if problems:
+        raise DataError("; ".join(problems), str(directory),
+                        "re-run `ptbr prepare`, or pass the tokenizer the data was made with")
+    return TokenDataset(directory, tokenizer_path, dtype, vocab_size, eos_id(tok), meta, train, val, warnings)
+
+
+def _read_meta(directory: Path) -> dict | None:
+    path = directory / "meta.json"
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"meta.json is not valid JSON: {exc}", str(path), "re-run `ptbr prepare`") from exc
+    if not isinstance(meta, dict):
+        raise DataError("meta.json must hold an object", str(path), "re-run `ptbr prepare`")
+    return meta
+
+
+def describe(dataset: TokenDataset) -> dict:
+    """What `ptbr info --data` prints: sizes, dtype, vocab, max id, problems."""
+    info = {
+        "directory": str(dataset.directory),
+        "layout": "ptbr (meta.json)" if dataset.meta else "older (no meta.json)",
+        "tokenizer": str(dataset.tokenizer_path),
+        "dtype": dataset.dtype.name,
+        "vocab_size": dataset.vocab_size,
+        "eos_id": dataset.eos_id,
+        "problems": [],
+        "warnings": list(dataset.warnings),
+    }
+    for split, tokens, path in (("train", dataset.train, dataset.train_path), ("val", dataset.val, dataset.val_path)):
+        if tokens is None:
+            info[f"{split}_tokens"] = 0
+            continue
+        top = dataset.max_token_id(split)
+        info[f"{split}_tokens"] = len(tokens)
+        info[f"{split}_bytes"] = path.stat().st_size
+        info[f"{split}_max_id"] = top
+        if top >= dataset.vocab_size:
+            info["problems"].append(f"{split}.bin holds id {top} >= vocab size {dataset.vocab_size}")
+    if dataset.val is None:
+        info["warnings"].append("no val.bin: training will not evaluate")
+    return info
+
+
+class RandomWindows:
+    """Training batches: random windows of seq_len + 1 tokens, read from the memmap.
+
+    Batch k is a pure function of (seed, k), so the sampler's whole state is one integer and a
+    resumed run sees exactly the batches an uninterrupted one would.
+    """
+
+    def __init__(self, tokens: np.memmap, path: Path, batch_size: int, seq_len: int, vocab_size: int, seed: int):
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"{path.name} holds {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}",
+                            str(path), "lower --seq-len or add data")
+        self.tokens, self.path = tokens, path
+        self.batch_size, self.seq_len, self.vocab_size, self.seed = batch_size, seq_len, vocab_size, seed
+
+    def starts(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, index])
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+
+    def batch(self, index: int) -> np.ndarray:
+        """(batch_size, seq_len + 1) int64 token windows, checked."""
+        return read_windows(self.tokens, self.path, self.starts(index), self.seq_len, self.vocab_size)
+
+
+def eval_windows(tokens: np.memmap, path: Path, batch_size: int, seq_len: int, vocab_size: int,
+                 max_batches: int) -> list[np.ndarray]:
+    """A fixed set of validation batches: evenly spaced windows, the same at every evaluation."""
+    span = len(tokens) - seq_len
+    if span <= 0:
+        return []
+    count = min(max_batches * batch_size, max(1, span // seq_len))
+    starts = np.linspace(0, span - 1, num=count).astype(np.int64)
+    return [read_windows(tokens, path, starts[i:i + batch_size], seq_len, vocab_size)
+            for i in range(0, count, batch_size)]
+
+
+def read_windows(tokens: np.memmap, path: Path, starts: np.ndarray, seq_len: int, vocab_size: int) -> np.ndarray:
+    if len(starts) == 0:
+        raise DataError("empty batch", str(path), "check --batch-size and the data")
+    windows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int64)
+    if windows.shape[1] != seq_len + 1:
+        raise DataError(f"batch of wrong length {windows.shape[1]} (expected {seq_len + 1})", str(path),
+                        "the token file is shorter than expected; re-run `ptbr prepare`")
+    bad = np.argwhere(windows >= vocab_size)
+    if len(bad):
+        row, col = bad[0]
+        offset = int(starts[row]) + int(col)
+        raise DataError(f"token id {int(windows[row, col])} >= vocab size {vocab_size}",
+                        f"{path} at token offset {offset} (byte {offset * tokens.dtype.itemsize})",
+                        "the data was made with another tokenizer; re-run `ptbr prepare` or pass the right --tokenizer")
+    return windows
+
+
+class PretrainBatches:
+    """The micro-batches of each optimizer step: batch_size * grad_accum windows drawn together
+    for that step, then split. A batch of 8 x grad_accum 1 and 2 x grad_accum 4 therefore see the
+    same sequences, and the step's batches are a pure function of (seed, step)."""
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, grad_accum: int, seq_len: int, seed: int):
+        from ptbr.train.step import windows_to_batch
+
+        self._to_batch = windows_to_batch
+        self.batch_size, self.grad_accum = batch_size, grad_accum
+        self.windows = RandomWindows(dataset.train, dataset.train_path, batch_size * grad_accum, seq_len,
+                                     dataset.vocab_size, seed)
+
+    def cycle(self, step: int) -> list[dict]:
+        windows = self.windows.batch(step)  # (batch_size * grad_accum, seq_len + 1)
+        return [self._to_batch(windows[i:i + self.batch_size]) for i in range(0, len(windows), self.batch_size)]

@@ -1,0 +1,48 @@
+"""ptbr's log: one line per event on stderr (bar-safe) and, during a run, in OUTPUT/train.log."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("ptbr")
+
+
+class _ConsoleHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)  # keeps a progress bar intact
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging must never take the run down
+            self.handleError(record)
+
+
+def setup_console(level: int = logging.INFO) -> None:
+    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+        handler = _ConsoleHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def attach_run_log(run_dir: Path) -> logging.Handler:
+    """Also write the log to run_dir/train.log (appending across resumes)."""
+    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    return handler
+
+
+def detach(handler: logging.Handler) -> None:
+    logger.removeHandler(handler)
+    handler.close()
+
+
+def log(message: str) -> None:
+    if not logger.handlers:
+        setup_console()
+    logger.info(message)

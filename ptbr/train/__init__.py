@@ -1,0 +1,1 @@
+"""The torch training loop shared by pretraining and fine-tuning: step, schedule, checkpoint, metrics."""

@@ -1,0 +1,90 @@
+"""Device and precision, resolved in one place and probed for real."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+from ptbr.errors import DeviceError
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: object  # torch.device
+    precision: str  # fp32 | fp16 | bf16
+    reason: str
+
+    @property
+    def autocast_dtype(self):
+        import torch
+
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.precision)
+
+    def autocast(self):
+        """Mixed precision for the forward pass; plain fp32 needs no context (nanoGPT style)."""
+        import torch
+
+        if self.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+
+def has_real_bf16() -> bool:
+    """True only where the GPU computes bf16 natively (Ampere+); a T4 only emulates it."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            name = "cuda"
+        elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            name = "mps"
+        else:
+            name = "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda but torch sees no CUDA GPU", f"torch {torch.__version__}",
+                          "check nvidia-smi and that torch is a CUDA build, or use --device cpu")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise DeviceError("--device mps but Metal (MPS) is not available", f"torch {torch.__version__}",
+                          "use --device cpu, or the MLX backend on Apple Silicon")
+    device = torch.device(name)
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # noqa: BLE001 - any failure here means the device is unusable
+        raise DeviceError(f"cannot allocate on {name}: {exc}", name, "check the driver, or use --device cpu") from exc
+    return device
+
+
+def resolve_precision(device, requested: str) -> Placement:
+    import torch
+
+    kind = device.type
+    if requested == "auto":
+        if kind == "cuda":
+            if has_real_bf16():
+                return Placement(device, "bf16", "the GPU has native bf16")
+            return Placement(device, "fp16", "the GPU has no native bf16 (T4-class): fp16 with GradScaler")
+        return Placement(device, "fp32", f"{kind}: fp32")
+    if requested == "fp16" and kind == "cpu":
+        raise DeviceError("fp16 training needs a GPU", "--precision fp16", "use --precision fp32 (or bf16) on CPU")
+    if requested == "bf16" and kind == "cuda" and not has_real_bf16():
+        name = torch.cuda.get_device_name(device)
+        raise DeviceError(f"{name} has no native bf16 (only emulated, far slower)", "--precision bf16",
+                          "use --precision fp16 (or auto) on this GPU")
+    return Placement(device, requested, f"--precision {requested}")
+
+
+def memory_in_use(device) -> int:
+    """Peak bytes allocated on a GPU, or the process's resident memory on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)

@@ -1,0 +1,185 @@
+"""fit(): the one training loop for pretraining and fine-tuning, on any backend.
+
+The loop owns everything but the step: the schedule, which batches make each optimizer step,
+evaluation, metrics, checkpoints, progress, and graceful stops. A backend (TorchStep, or the MLX
+step) only turns a list of micro-batches and a learning rate into an update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ptbr.errors import PtbrError, TrainingDiverged
+from ptbr.log import log
+from ptbr.train.checkpoint import save_checkpoint
+from ptbr.train.metrics import MetricsLog
+from ptbr.train.progress import Progress
+from ptbr.train.schedule import lr_at
+
+# Non-finite steps in a row before the run is stopped (each one is skipped, not applied).
+MAX_BAD_STEPS_IN_A_ROW = 5
+
+
+class Interrupted(PtbrError):
+    """SIGTERM/SIGINT: a checkpoint was saved at the step boundary; running again resumes."""
+
+    exit_code = 130
+
+
+@dataclass
+class LoopState:
+    """Where a run stands; saved in every checkpoint's trainer_state.json."""
+
+    step: int = 0  # optimizer steps completed; also the batch source's position
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    skipped_steps: int = 0
+    bad_in_a_row: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LoopState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class BatchSource(Protocol):
+    def cycle(self, step: int) -> list[dict]:
+        """The micro-batches of optimizer step `step` (a pure function of the step)."""
+
+
+class Backend(Protocol):
+    def train_step(self, micro_batches: list[dict], lr: float): ...
+    def eval_loss(self, batches: list[dict]) -> float: ...
+    def save_state(self, directory: Path) -> None: ...
+    def memory_bytes(self) -> int: ...
+
+
+class Callbacks:
+    """Two extension points; fine-tuning uses on_eval to keep the best adapter."""
+
+    def on_eval(self, state: LoopState, val_loss: float, is_best: bool) -> None: ...
+
+    def on_checkpoint(self, state: LoopState, path: Path) -> None: ...
+
+
+class GracefulStop:
+    """SIGTERM/SIGINT set a flag that the loop reads at the step boundary; a second Ctrl-C
+    interrupts at once."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        log(f"{self.signal_name} received: saving a checkpoint at the end of this step, then stopping")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def describe_batch(batch: dict) -> str:
+    ids = np.asarray(batch["input_ids"])
+    labels = np.asarray(batch["labels"])
+    return (f"first batch: input_ids {tuple(ids.shape)} {ids.dtype}, ids {int(ids.min())}..{int(ids.max())}, "
+            f"{int((labels != -100).sum())} target tokens")
+
+
+def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, settings, run_dir: Path,
+        state: LoopState, callbacks: Callbacks | None = None, keep_last: int = 0) -> LoopState:
+    """Train until settings.max_steps; returns the final state. Raises Interrupted after a
+    graceful stop and TrainingDiverged after MAX_BAD_STEPS_IN_A_ROW non-finite steps."""
+    callbacks = callbacks or Callbacks()
+    metrics = MetricsLog(run_dir, state.step)
+    progress = Progress(settings.max_steps, state.step, settings.log_every)
+    start_step = state.step
+    started = time.monotonic()
+    try:
+        with GracefulStop() as stop:
+            while state.step < settings.max_steps:
+                step_started = time.monotonic()
+                lr = lr_at(state.step, settings.learning_rate, settings.warmup_steps, settings.max_steps,
+                           settings.min_lr_ratio)
+                micro_batches = source.cycle(state.step)
+                if state.step == start_step:
+                    log(describe_batch(micro_batches[0]) + f"; {len(micro_batches)} micro-batch(es) per step")
+                result = backend.train_step(micro_batches, lr)
+                step_time = time.monotonic() - step_started
+                state.step += 1
+                state.tokens_seen += result.input_tokens
+                if state.step == start_step + 1:
+                    log(f"first step done: loss {result.loss:.4f} in {time.monotonic() - started:.1f} s")
+                _check_finite(result, state, lr, settings, micro_batches)
+
+                val_loss = None
+                if eval_batches and (_due(state.step, settings.eval_every) or state.step == settings.max_steps):
+                    val_loss = backend.eval_loss(eval_batches)
+                    is_best = math.isfinite(val_loss) and (state.best_val_loss is None or val_loss < state.best_val_loss)
+                    if is_best:
+                        state.best_val_loss, state.best_step = val_loss, state.step
+                    log(f"eval at step {state.step}: val_loss {val_loss:.4f}, perplexity {_perplexity(val_loss):.2f}")
+                    callbacks.on_eval(state, val_loss, is_best)
+
+                state.elapsed_s += time.monotonic() - step_started
+                tokens_per_s = result.input_tokens / step_time if step_time > 0 else 0.0
+                metrics.write({
+                    "step": state.step, "loss": result.loss, "val_loss": val_loss, "lr": lr,
+                    "grad_norm": result.grad_norm, "tokens_per_s": round(tokens_per_s, 1),
+                    "mem_bytes": backend.memory_bytes(), "elapsed_s": round(state.elapsed_s, 3),
+                })
+                progress.update(state.step, result.loss, lr, tokens_per_s, val_loss)
+
+                last = state.step == settings.max_steps
+                if _due(state.step, settings.save_every) or last or stop.signal_name:
+                    path = save_checkpoint(run_dir, state.step, backend, {"loop": dataclasses.asdict(state)},
+                                           keep_last)
+                    callbacks.on_checkpoint(state, path)
+                    if stop.signal_name:
+                        raise Interrupted(f"stopped by {stop.signal_name} at step {state.step}",
+                                          f"checkpoint {path}", "run the same command again to resume")
+    finally:
+        progress.close()
+    return state
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
+
+
+def _check_finite(result, state: LoopState, lr: float, settings, micro_batches: list[dict]) -> None:
+    if not result.skipped:
+        state.bad_in_a_row = 0
+        return
+    state.skipped_steps += 1
+    state.bad_in_a_row += 1
+    log(f"warning: step {state.step} skipped: loss {result.loss}, grad_norm {result.grad_norm} "
+        f"({state.bad_in_a_row} in a row)")
+    if state.bad_in_a_row >= MAX_BAD_STEPS_IN_A_ROW:
+        precision = getattr(settings, "precision", "?")
+        raise TrainingDiverged(
+            f"loss or gradients not finite for {state.bad_in_a_row} steps in a row (last: step {state.step}, "
+            f"lr {lr:.3e}, precision {precision}, {describe_batch(micro_batches[0])})",
+            "training", "lower --learning-rate or use --precision fp32/bf16; the last checkpoint is intact")

@@ -1,0 +1,59 @@
+"""metrics.jsonl and metrics.csv in the run directory: one row per optimizer step."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_bytes", "elapsed_s")
+
+
+class MetricsLog:
+    """Appends rows; on resume it first drops rows past the checkpoint so no step appears twice."""
+
+    def __init__(self, run_dir: Path, resume_step: int = 0):
+        self.jsonl = run_dir / "metrics.jsonl"
+        self.csv = run_dir / "metrics.csv"
+        kept = [row for row in read_metrics(self.jsonl) if row["step"] <= resume_step] if resume_step else []
+        with open(self.jsonl, "w", encoding="utf-8") as f:
+            for row in kept:
+                f.write(json.dumps(row) + "\n")
+        with open(self.csv, "w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            for row in kept:
+                writer.writerow(_csv_row(row))
+        self.last: dict | None = kept[-1] if kept else None
+
+    def write(self, row: dict) -> None:
+        row = {name: _clean(row.get(name)) for name in COLUMNS}
+        with open(self.jsonl, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        with open(self.csv, "a", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerow(_csv_row(row))
+        self.last = row
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a crash ends the readable part
+    return rows
+
+
+def _clean(value):
+    # JSON has no NaN; a skipped step's loss is written as null
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _csv_row(row: dict) -> list:
+    return ["" if row.get(name) is None else row.get(name) for name in COLUMNS]

@@ -1,0 +1,116 @@
+"""`ptbr train`: resolve settings -> build data, model, optimizer -> fit() -> final/."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from ptbr.config import PretrainConfig, get_preset
+from ptbr.data import SAMPLE_DIR
+from ptbr.data.tokens import PretrainBatches, eval_windows, open_dataset
+from ptbr.errors import ConfigError
+from ptbr.log import attach_run_log, detach, log
+from ptbr.train.loop import LoopState, fit
+from ptbr.train.run_dir import create_run_dir, resume_point, write_json
+from ptbr.versions import package_versions
+
+
+def run_pretrain(settings: PretrainConfig) -> dict:
+    """Pretrain a preset from scratch; returns training_summary.json's contents."""
+    run_dir = create_run_dir(settings.output)
+    handler = attach_run_log(run_dir)
+    try:
+        return _run(settings, run_dir)
+    finally:
+        detach(handler)
+
+
+def _run(settings: PretrainConfig, run_dir: Path) -> dict:
+    import torch
+
+    from ptbr.data.tokenizer import save_for_transformers
+    from ptbr.model import build_model, count_parameters
+    from ptbr.train.device import resolve_device, resolve_precision
+    from ptbr.train.step import TorchStep, build_optimizer
+
+    data_dir = settings.data or SAMPLE_DIR
+    if settings.data is None:
+        log(f"no --data given: training on the bundled PT-BR sample ({SAMPLE_DIR})")
+    dataset = open_dataset(data_dir, settings.tokenizer)
+    for warning in dataset.warnings:
+        log(f"warning: {warning}")
+    preset = get_preset(settings.model_size)
+    if len(dataset.train) < settings.seq_len + 1:
+        raise ConfigError(f"train.bin holds {len(dataset.train)} tokens, fewer than seq_len + 1 = {settings.seq_len + 1}",
+                          str(dataset.train_path), "lower --seq-len or add data")
+    placement = resolve_precision(resolve_device(settings.device), settings.precision)
+    log(f"device {placement.device}, precision {placement.precision} ({placement.reason})")
+
+    pad_id = dataset.meta.get("pad_id") if dataset.meta else None
+    model = build_model(preset, dataset.vocab_size, dataset.eos_id, settings.seed, pad_id).to(placement.device)
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    n_params = count_parameters(model)
+    log(f"model {preset.name}: {n_params:,} parameters, vocab {dataset.vocab_size}, seq_len {settings.seq_len}")
+    backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, settings.max_grad_norm)
+
+    checkpoint, saved = resume_point(run_dir, settings.resume)
+    state = LoopState()
+    if checkpoint is not None:
+        backend.load_state(checkpoint)
+        state = LoopState.from_dict(saved["loop"])
+
+    write_json(run_dir / "run_config.json", {
+        "command": "train",
+        "settings": dataclasses.asdict(settings),
+        "data": str(data_dir),
+        "tokenizer": str(dataset.tokenizer_path),
+        "model": dataclasses.asdict(preset) | {"vocab_size": dataset.vocab_size, "parameters": n_params},
+        "device": str(placement.device),
+        "precision": placement.precision,
+        "tokens_per_step": settings.batch_size * settings.grad_accum * settings.seq_len,
+        "versions": package_versions(),
+        "resumed_from": str(checkpoint) if checkpoint else None,
+    })
+
+    source = PretrainBatches(dataset, settings.batch_size, settings.grad_accum, settings.seq_len, settings.seed)
+    eval_batches = None
+    if dataset.val is not None:
+        from ptbr.train.step import windows_to_batch
+
+        windows = eval_windows(dataset.val, dataset.val_path, settings.batch_size, settings.seq_len,
+                               dataset.vocab_size, settings.eval_batches)
+        eval_batches = [windows_to_batch(w) for w in windows] or None
+    if eval_batches is None:
+        log("warning: no usable val.bin: training without evaluation")
+
+    started = time.monotonic()
+    state = fit(backend, source, eval_batches, settings, run_dir, state)
+
+    final = run_dir / "final"
+    final.mkdir(exist_ok=True)
+    model.save_pretrained(str(final), safe_serialization=True)
+    save_for_transformers(dataset.tokenizer_path, final)
+    from ptbr.train.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    summary = {
+        "steps": state.step,
+        "tokens_seen": state.tokens_seen,
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "best_val_loss": state.best_val_loss,
+        "best_step": state.best_step,
+        "skipped_steps": state.skipped_steps,
+        "elapsed_s": round(state.elapsed_s, 3),
+        "this_session_s": round(time.monotonic() - started, 3),
+        "parameters": n_params,
+        "final_model": str(final),
+        "torch": torch.__version__,
+    }
+    write_json(run_dir / "training_summary.json", summary)
+    log(f"done: {state.step} steps, final loss {summary['final_loss']}, model in {final}")
+    return summary

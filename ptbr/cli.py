@@ -38,7 +38,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f.metadata.get("help", "")
         if f.default is not None:
             help_text += f" (default: {f.default})"
-        kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         base = annotation if annotation in (bool, int, float, str) else _optional_base(annotation)
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny corpora and datasets made on the fly; global state reset around each test."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+PT_TEXT = [
+    "O sol nasceu devagar sobre a serra, e a cidade acordou com cheiro de café e pão quente.",
+    "Na feira de sábado, dona Lúcia vendia mangas, goiabas e queijo fresco para os vizinhos.",
+    "O time jogou bem no segundo tempo e virou a partida com dois gols de cabeça.",
+    "A chuva de verão caiu forte à tarde, lavou as calçadas e refrescou o bairro inteiro.",
+    "Meu avô contava histórias do tempo em que o trem ainda passava pela estação da vila.",
+    "As crianças correram até a praia para ver as jangadas voltando com a pesca do dia.",
+]
+
+
+@pytest.fixture(autouse=True)
+def _reset_global_state(monkeypatch):
+    """Each test starts without ptbr log handlers left by another, and without PTBR_DEBUG."""
+    monkeypatch.delenv("PTBR_DEBUG", raising=False)
+    logger = logging.getLogger("ptbr")
+    before = list(logger.handlers)
+    yield
+    for handler in list(logger.handlers):
+        if handler not in before:
+            logger.removeHandler(handler)
+            handler.close()
+
+
+@pytest.fixture
+def corpus_dir(tmp_path) -> Path:
+    """A small PT-BR corpus: a .txt with blank-line separated documents and a .jsonl."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    paragraphs = [f"{PT_TEXT[i % len(PT_TEXT)]} Parágrafo {i}." for i in range(60)]
+    (folder / "contos.txt").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    import json
+
+    with open(folder / "noticias.jsonl", "w", encoding="utf-8") as f:
+        for i, text in enumerate(PT_TEXT * 5):
+            f.write(json.dumps({"text": f"{text} Notícia {i}.", "id": i}, ensure_ascii=False) + "\n")
+    return folder
+
+
+@pytest.fixture
+def dataset_dir(tmp_path, corpus_dir) -> Path:
+    from ptbr.data.prepare import prepare
+
+    out = tmp_path / "dataset"
+    prepare([str(corpus_dir)], out, vocab_size=400, val_fraction=0.1, show_progress=False)
+    return out
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None):
+    """The real `ptbr` CLI in a subprocess (python -m ptbr)."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "ptbr", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd)

@@ -1,0 +1,102 @@
+"""Settings: defaults in one place, config files, flag overrides, validation, presets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ptbr.cli import main
+from ptbr.commands import settings_from_args
+from ptbr.config import PRESETS, PretrainConfig, build_settings, get_preset
+from ptbr.errors import ConfigError
+
+
+def parse_train(argv):
+    from ptbr.cli import build_parser
+
+    return settings_from_args(PretrainConfig, build_parser().parse_args(["train", *argv]))
+
+
+def test_defaults_come_from_the_dataclass_only():
+    settings = parse_train([])
+    assert settings == PretrainConfig()
+    assert settings.learning_rate == PRESETS["tiny"].learning_rate
+    assert settings.warmup_steps == 50  # 5% of the default 1000 steps
+
+
+def test_config_file_then_flags_override(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("batch_size: 4\nseq_len: 128\nlearning_rate: 0.001\nseed: 0\n")
+    settings = parse_train(["--config", str(config), "--seq-len", "64"])
+    assert (settings.batch_size, settings.seq_len, settings.learning_rate) == (4, 64, 0.001)
+    assert settings.seed == 0  # seed 0 is a seed, not "no seed"
+
+
+def test_json_config_with_unknown_keys_is_one_error(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"batch_size": 2, "batchsize": 4, "lr": 1e-3}))
+    with pytest.raises(ConfigError) as info:
+        parse_train(["--config", str(config)])
+    message = info.value.one_line()
+    assert "unknown key 'batchsize'" in message and "unknown key 'lr'" in message
+    assert "valid keys" in message
+
+
+def test_every_invalid_value_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        build_settings(PretrainConfig, {"batch_size": 0, "grad_accum": -1, "max_steps": 0,
+                                        "learning_rate": float("nan"), "model_size": "9b"})
+    what = info.value.what
+    assert what.startswith("5 problems")
+    for fragment in ("batch_size", "grad_accum", "max_steps", "learning_rate", "unknown model size '9b'"):
+        assert fragment in what
+
+
+def test_seq_len_above_the_model_maximum():
+    with pytest.raises(ConfigError, match="exceeds the tiny model's maximum of 512"):
+        PretrainConfig(seq_len=1024)
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ConfigError) as info:
+        get_preset("7b")
+    assert info.value.fix == "use one of: tiny, 85m, 400m, 800m"
+
+
+def test_wrong_type_in_config(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"batch_size": "eight"}))
+    with pytest.raises(ConfigError, match="batch_size must be of type int"):
+        parse_train(["--config", str(config)])
+
+
+@pytest.mark.parametrize("name,target", [("85m", 85e6), ("400m", 400e6), ("800m", 800e6)])
+def test_preset_parameter_counts_within_ten_percent_at_32k(name, target):
+    count = PRESETS[name].param_count(32000)
+    assert abs(count - target) / target < 0.10
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_param_count_formula_matches_the_real_model(name):
+    import torch
+
+    from ptbr.model import count_parameters, llama_config
+
+    config = llama_config(PRESETS[name], vocab_size=32000, eos_id=0)
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):  # no memory: just the shapes
+        model = LlamaForCausalLM(config)
+    assert count_parameters(model) == PRESETS[name].param_count(32000)
+
+
+def test_tiny_is_under_two_million_parameters_with_the_sample_vocab():
+    assert PRESETS["tiny"].param_count(2048) == 1_066_112
+
+
+def test_cli_turns_a_bad_flag_into_one_line(capsys):
+    code = main(["train", "--model-size", "7b", "--max-steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: unknown model size '7b'")

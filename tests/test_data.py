@@ -1,0 +1,158 @@
+"""`ptbr prepare`, the .bin layouts (ptbr and older), `ptbr info --data`, batch validation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ptbr.cli import main
+from ptbr.data import SAMPLE_DIR
+from ptbr.data.prepare import prepare, token_dtype
+from ptbr.data.tokenizer import file_sha256, load_tokenizer
+from ptbr.data.tokens import RandomWindows, open_dataset
+from ptbr.errors import DataError
+
+
+def test_prepare_writes_bins_tokenizer_and_meta(dataset_dir, corpus_dir):
+    meta = json.loads((dataset_dir / "meta.json").read_text())
+    tokenizer = load_tokenizer(dataset_dir / "tokenizer.json")
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == tokenizer.get_vocab_size() == 400
+    assert meta["tokenizer_sha256"] == file_sha256(dataset_dir / "tokenizer.json")
+    train = np.fromfile(dataset_dir / "train.bin", dtype="<u2")
+    val = np.fromfile(dataset_dir / "val.bin", dtype="<u2")
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    # 60 paragraphs + 30 jsonl lines, each ended by one eos
+    assert meta["train_documents"] + meta["val_documents"] == 90
+    assert int((train == meta["eos_id"]).sum()) + int((val == meta["eos_id"]).sum()) == 90
+    assert 0.05 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.15
+    # the documents decode back to the text, in order
+    first = train[: int(np.argmax(train == meta["eos_id"]))]
+    assert tokenizer.decode(first.tolist()) == "O sol nasceu devagar sobre a serra, e a cidade acordou com cheiro de café e pão quente. Parágrafo 0."
+
+
+def test_reusing_a_tokenizer_gives_the_same_tokens(tmp_path, dataset_dir, corpus_dir):
+    again = tmp_path / "again"
+    prepare([str(corpus_dir)], again, val_fraction=0.1, tokenizer_path=str(dataset_dir / "tokenizer.json"),
+            show_progress=False)
+    assert (again / "train.bin").read_bytes() == (dataset_dir / "train.bin").read_bytes()
+
+
+def test_token_dtype_switches_to_uint32_past_65535():
+    assert token_dtype(65535) == np.dtype("<u2")
+    assert token_dtype(65536) == np.dtype("<u4")
+
+
+def test_long_documents_stream_in_pieces(tmp_path, monkeypatch):
+    import ptbr.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "MAX_CHUNK_CHARS", 100)
+    text = tmp_path / "long.txt"
+    text.write_text("\n".join(f"linha número {i} de um documento muito comprido" for i in range(50)) + "\n")
+    pieces = list(corpus.iter_documents(text))
+    assert len(pieces) > 10 and [end for _, end in pieces].count(True) == 1
+    meta = prepare([str(text)], tmp_path / "out", vocab_size=300, val_fraction=0.0, show_progress=False)
+    assert meta["train_documents"] == 1 and meta["val_tokens"] == 0
+
+
+def test_bad_jsonl_line_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"texto": "sem campo"}\n')
+    with pytest.raises(DataError) as info:
+        prepare([str(bad)], tmp_path / "out", vocab_size=300, show_progress=False)
+    assert info.value.where == f"{bad}:2"
+
+
+def test_the_bundled_sample_is_what_prepare_makes_of_its_text(tmp_path):
+    meta = prepare([str(SAMPLE_DIR / "sample_ptbr.txt")], tmp_path / "s", vocab_size=2048, val_fraction=0.1,
+                   show_progress=False)
+    assert (tmp_path / "s" / "tokenizer.json").read_bytes() == (SAMPLE_DIR / "tokenizer.json").read_bytes()
+    assert (tmp_path / "s" / "train.bin").read_bytes() == (SAMPLE_DIR / "train.bin").read_bytes()
+    assert (tmp_path / "s" / "val.bin").read_bytes() == (SAMPLE_DIR / "val.bin").read_bytes()
+    assert meta["train_tokens"] == 12859 and meta["val_tokens"] == 1441
+
+
+def make_old_layout(tmp_path, dataset_dir):
+    """The layout of the tool ptbr replaces: raw uint16 train.bin, no meta.json, tokenizer elsewhere."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "train.bin").write_bytes((dataset_dir / "train.bin").read_bytes())
+    tokenizer = tmp_path / "tok" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    tokenizer.write_bytes((dataset_dir / "tokenizer.json").read_bytes())
+    return old, tokenizer
+
+
+def test_older_layout_is_accepted_with_a_tokenizer(tmp_path, dataset_dir, capsys):
+    old, tokenizer = make_old_layout(tmp_path, dataset_dir)
+    dataset = open_dataset(old, tokenizer)
+    assert dataset.dtype == np.dtype("<u2") and dataset.val is None and dataset.meta is None
+    assert main(["info", "--data", str(old), "--tokenizer", str(tokenizer), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["data"]
+    assert info["layout"] == "older (no meta.json)"
+    assert info["train_tokens"] == len(np.fromfile(old / "train.bin", dtype="<u2"))
+    assert info["train_max_id"] < 400
+
+
+def test_older_layout_without_a_tokenizer_says_so(tmp_path, dataset_dir):
+    old, _ = make_old_layout(tmp_path, dataset_dir)
+    with pytest.raises(DataError, match="tokenizer not found"):
+        open_dataset(old)
+
+
+def test_odd_byte_count_and_ids_beyond_vocab(tmp_path, dataset_dir):
+    old, tokenizer = make_old_layout(tmp_path, dataset_dir)
+    with open(old / "train.bin", "ab") as f:
+        f.write(b"\x01")
+    with pytest.raises(DataError, match="not a multiple of 2"):
+        open_dataset(old, tokenizer)
+    (old / "train.bin").write_bytes(np.array([5, 7, 60000, 9], dtype="<u2").tobytes())
+    with pytest.raises(DataError, match="token id 60000 >= vocab size 400"):
+        open_dataset(old, tokenizer)
+
+
+def test_meta_that_disagrees_with_the_tokenizer(tmp_path, dataset_dir):
+    meta = json.loads((dataset_dir / "meta.json").read_text())
+    meta["tokenizer_sha256"] = "0" * 64
+    (dataset_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="different tokenizer"):
+        open_dataset(dataset_dir)
+
+
+def test_every_batch_is_checked_and_a_bad_id_is_located(tmp_path):
+    tokens = np.arange(100, dtype="<u2") % 50
+    tokens[37] = 999
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    windows = RandomWindows(np.memmap(path, dtype="<u2", mode="r"), path, batch_size=50, seq_len=8,
+                            vocab_size=50, seed=0)
+    with pytest.raises(DataError) as info:
+        windows.batch(0)
+    assert "token id 999 >= vocab size 50" in info.value.what
+    assert info.value.where == f"{path} at token offset 37 (byte 74)"
+
+
+def test_batches_are_a_pure_function_of_seed_and_index(dataset_dir):
+    dataset = open_dataset(dataset_dir)
+    a = RandomWindows(dataset.train, dataset.train_path, 4, 16, dataset.vocab_size, seed=0)
+    b = RandomWindows(dataset.train, dataset.train_path, 4, 16, dataset.vocab_size, seed=0)
+    assert np.array_equal(a.batch(7), b.batch(7))
+    assert not np.array_equal(a.batch(7), a.batch(8))
+    assert a.batch(0).shape == (4, 17) and a.batch(0).dtype == np.int64
+
+
+def test_info_on_the_bundled_sample(capsys):
+    assert main(["info", "--data", str(SAMPLE_DIR)]) == 0
+    out = capsys.readouterr().out
+    assert "12,859 tokens, 25,718 bytes" in out and "max id 2,047" in out
+
+
+def test_info_model_size(capsys):
+    assert main(["info", "--model-size", "400m", "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["parameters"] == 392_487_936
+    memory = model["memory_bytes"]["fp32"]
+    assert memory["weights"] == memory["gradients"] == 4 * 392_487_936
+    assert memory["optimizer"] == 8 * 392_487_936
+    assert memory["total"] > memory["weights"] + memory["gradients"] + memory["optimizer"]

@@ -1,0 +1,239 @@
+"""Pretraining through the real CLI on tiny models: loss, accumulation, resume, run directory."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ptbr.cli import main
+from ptbr.train.metrics import COLUMNS
+
+
+def train(output, *extra):
+    """`ptbr train` in-process, tiny model, small shapes; extra flags override."""
+    args = ["train", "--output", str(output), "--model-size", "tiny", "--seq-len", "32", "--batch-size", "4",
+            "--max-steps", "6", "--warmup-steps", "2", "--save-every", "3", "--eval-every", "3",
+            "--eval-batches", "2", "--device", "cpu", *extra]
+    assert main(args) == 0
+
+
+def weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def metrics(output):
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_uses_correctly_shifted_labels():
+    """Our loss on (inputs, labels) equals transformers' own loss, which shifts internally."""
+    from ptbr.config import PRESETS
+    from ptbr.model import build_model
+    from ptbr.train.device import resolve_precision
+    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+    from ptbr.config import LoopSettings
+
+    model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
+    windows = np.random.default_rng(0).integers(0, 300, size=(2, 17))
+    batch = windows_to_batch(windows)
+    assert np.array_equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
+    step = TorchStep(model, build_optimizer(model, LoopSettings(), torch.device("cpu")),
+                     resolve_precision(torch.device("cpu"), "fp32"), 1.0)
+    ours = step.eval_loss([batch])
+    with torch.no_grad():
+        # transformers shifts labels itself: logits[:, :-1] against tokens[:, 1:]; a causal model's
+        # logits for the first T positions do not depend on the last token, so the two must agree
+        full = torch.as_tensor(windows)
+        theirs = model(input_ids=full, labels=full).loss.item()
+    assert ours == pytest.approx(theirs, rel=1e-6)
+    unshifted = {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+    # unshifted labels give a different number (with tied embeddings an untrained model even
+    # "predicts" the current token better: exactly the bug that looks like learning)
+    assert abs(step.eval_loss([unshifted]) - ours) > 0.1
+
+
+def tiny_step(optimizer_factory, vocab=300):
+    from ptbr.config import PRESETS
+    from ptbr.model import build_model
+    from ptbr.train.device import resolve_precision
+    from ptbr.train.step import TorchStep
+
+    model = build_model(PRESETS["tiny"], vocab, eos_id=0, seed=0)
+    return model, TorchStep(model, optimizer_factory(model), resolve_precision(torch.device("cpu"), "fp32"), 0.0)
+
+
+def test_accumulated_gradient_is_the_mean_over_the_whole_batch():
+    """With SGD at lr 1 the update is the gradient itself: 4 micro-batches of 2 must give the
+    gradient of one batch of 8 (averaged, not summed), and the optimizer steps once."""
+    from ptbr.train.step import windows_to_batch
+
+    windows = np.random.default_rng(1).integers(0, 300, size=(8, 17))
+    updates = []
+    for micro in (8, 2):
+        model, step = tiny_step(lambda m: torch.optim.SGD(m.parameters(), lr=1.0))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        result = step.train_step([windows_to_batch(windows[i:i + micro]) for i in range(0, 8, micro)], lr=1.0)
+        updates.append(({k: before[k] - v for k, v in model.state_dict().items()}, result))
+    (big, big_result), (acc, acc_result) = updates
+    assert acc_result.loss == pytest.approx(big_result.loss, rel=1e-6)
+    assert acc_result.target_tokens == big_result.target_tokens == 8 * 16
+    for name in big:
+        torch.testing.assert_close(acc[name], big[name], rtol=1e-5, atol=1e-7)
+    assert big["model.norm.weight"].abs().sum() > 0
+
+
+def test_a_short_last_cycle_is_weighted_by_its_tokens():
+    """Uneven micro-batches (the remainder of an epoch, padded fine-tuning data): the loss is the
+    mean over every target token of the step, as if it were one batch."""
+    from ptbr.train.step import IGNORE_INDEX, windows_to_batch
+
+    windows = np.random.default_rng(2).integers(0, 300, size=(3, 17))
+    whole = windows_to_batch(windows)
+    _, step = tiny_step(lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
+    expected = step.eval_loss([whole])
+    masked = windows_to_batch(windows[2:])
+    masked["labels"] = masked["labels"].copy()
+    masked["labels"][:, :8] = IGNORE_INDEX
+    split = step.train_step([windows_to_batch(windows[:2]), windows_to_batch(windows[2:])], lr=0.0)
+    assert split.loss == pytest.approx(expected, rel=1e-6)
+    uneven = step.train_step([windows_to_batch(windows[:2]), masked], lr=0.0)
+    assert uneven.target_tokens == 2 * 16 + 8
+
+
+def test_grad_accum_through_the_cli_matches_one_big_batch(tmp_path):
+    """batch 2 x grad_accum 4 and batch 8 x grad_accum 1 train on the same sequences to the same model."""
+    train(tmp_path / "big", "--batch-size", "8", "--grad-accum", "1", "--max-steps", "3", "--save-every", "3")
+    train(tmp_path / "acc", "--batch-size", "2", "--grad-accum", "4", "--max-steps", "3", "--save-every", "3")
+    big, acc = weights(tmp_path / "big" / "final"), weights(tmp_path / "acc" / "final")
+    for name in big:
+        # AdamW normalises each update, so float summation-order noise on ~0 gradients shows up at
+        # ~1e-6 after a few steps; a wrong accumulation would be off by the learning rate (3e-3)
+        torch.testing.assert_close(acc[name], big[name], rtol=0, atol=2e-5)
+    loss_big = [row["loss"] for row in metrics(tmp_path / "big")]
+    loss_acc = [row["loss"] for row in metrics(tmp_path / "acc")]
+    assert loss_acc == pytest.approx(loss_big, rel=1e-5)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    """10 steps in one go == 5 steps, interruption, resume to 10."""
+    once = tmp_path / "once"
+    train(once, "--max-steps", "10", "--save-every", "5")
+    twice = tmp_path / "twice"
+    train(twice, "--max-steps", "10", "--save-every", "5")
+    # simulate a run that died after step 5: only the step-5 checkpoint survives
+    shutil.rmtree(twice / "checkpoints" / "step_000010")
+    shutil.rmtree(twice / "final")
+    train(twice, "--max-steps", "10", "--save-every", "5")
+    a, b = weights(once / "final"), weights(twice / "final")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    rows = metrics(twice)
+    assert [row["step"] for row in rows] == list(range(1, 11))  # no step logged twice
+    assert [row["loss"] for row in rows] == [row["loss"] for row in metrics(once)]
+    log = (twice / "train.log").read_text()
+    assert "resuming from" in log and "step_000005" in log
+
+
+def test_resume_never_starts_over(tmp_path):
+    out = tmp_path / "run"
+    train(out, "--max-steps", "3")
+    first = metrics(out)[0]["loss"]
+    train(out, "--max-steps", "3", "--resume", "never")
+    assert metrics(out)[0]["loss"] == first and len(metrics(out)) == 3
+
+
+def test_run_directory_layout_and_first_step_log(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(out)
+    err = capsys.readouterr().err
+    assert "first batch: input_ids (4, 32) int64" in err
+    assert "first step done: loss " in err
+    assert {p.name for p in out.iterdir()} >= {"run_config.json", "metrics.jsonl", "metrics.csv", "checkpoints",
+                                               "training_summary.json", "final", "train.log"}
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
+    checkpoint = out / "checkpoints" / "step_000006"
+    assert {"model.safetensors", "optimizer.pt", "scaler.pt", "rng.pt", "trainer_state.json"} <= {
+        p.name for p in checkpoint.iterdir()}
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["loop"]["step"] == 6 and state["loop"]["tokens_seen"] == 6 * 4 * 32
+    for name in ("optimizer.pt", "scaler.pt", "rng.pt"):
+        torch.load(checkpoint / name, weights_only=True)  # loadable without unpickling code
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["settings"]["seq_len"] == 32 and config["versions"]["torch"] == torch.__version__
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0].keys()) == COLUMNS and len(rows) == 6
+    assert [r["val_loss"] != "" for r in rows] == [False, False, True, False, False, True]
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["steps"] == 6 and summary["tokens_seen"] == 6 * 4 * 32
+
+
+def test_first_loss_on_the_bundled_sample_is_stable():
+    """Exact numbers: seed 1337, tiny, seq_len 64, batch 4 on the bundled sample."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        assert main(["train", "--output", tmp, "--model-size", "tiny", "--seq-len", "64", "--batch-size", "4",
+                     "--max-steps", "1", "--device", "cpu"]) == 0
+        first = metrics(Path(tmp))[0]
+    assert first["loss"] == pytest.approx(7.6421, abs=1e-4)
+    assert first["lr"] == pytest.approx(3e-3)
+
+
+@pytest.mark.slow
+def test_loss_falls_clearly_over_100_steps_on_the_bundled_sample(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), "--model-size", "tiny", "--max-steps", "100", "--seq-len", "128",
+                 "--batch-size", "8", "--eval-every", "50", "--save-every", "100", "--device", "cpu"]) == 0
+    rows = metrics(out)
+    first, last = np.mean([r["loss"] for r in rows[:5]]), np.mean([r["loss"] for r in rows[-5:]])
+    assert first > 7.0 and last < first - 1.5
+    val = [r["val_loss"] for r in rows if r["val_loss"] is not None]
+    assert len(val) == 2 and val[-1] < 6.5
+
+
+def test_older_layout_dataset_trains(tmp_path, dataset_dir):
+    from tests.test_data import make_old_layout
+
+    old, tokenizer = make_old_layout(tmp_path, dataset_dir)
+    out = tmp_path / "run"
+    train(out, "--data", str(old), "--tokenizer", str(tokenizer), "--max-steps", "2")
+    assert len(metrics(out)) == 2 and all(r["val_loss"] is None for r in metrics(out))
+
+
+def test_final_loads_in_plain_transformers_and_generates(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2")
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    ids = tokenizer("Era uma vez", return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == ids["input_ids"].shape[1] + 5
+    assert tokenizer.eos_token == "<|endoftext|>"
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out / "final"), "--max-new-tokens", "8", "--device", "cpu",
+                 "Era uma vez"]) == 0
+    assert capsys.readouterr().out.startswith("Era uma vez")
+
+
+def test_bad_token_in_training_data_names_file_and_offset(tmp_path, dataset_dir, capsys):
+    data = np.fromfile(dataset_dir / "train.bin", dtype="<u2")
+    data[:] = 399
+    data[::7] = 401  # beyond the 400-token vocab, everywhere a window can land
+    data.tofile(dataset_dir / "train.bin")
+    (dataset_dir / "meta.json").unlink()  # older layout: only the quick scan and the batch checks
+    tokenizer = dataset_dir / "tokenizer.json"
+    code = main(["train", "--output", str(tmp_path / "run"), "--data", str(dataset_dir), "--tokenizer",
+                 str(tokenizer), "--model-size", "tiny", "--seq-len", "16", "--max-steps", "1", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 3
+    assert err.startswith("error: train.bin holds token id 401 >= vocab size 400")

@@ -33,11 +33,10 @@ def metrics(output):
 
 def test_loss_uses_correctly_shifted_labels():
     """Our loss on (inputs, labels) equals transformers' own loss, which shifts internally."""
-    from ptbr.config import PRESETS
+    from ptbr.config import PRESETS, LoopSettings
     from ptbr.model import build_model
     from ptbr.train.device import resolve_precision
     from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
-    from ptbr.config import LoopSettings
 
     model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
     windows = np.random.default_rng(0).integers(0, 300, size=(2, 17))

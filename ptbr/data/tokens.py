@@ -208,6 +208,12 @@ class PretrainBatches:
         self.windows = RandomWindows(dataset.train, dataset.train_path, batch_size * grad_accum, seq_len,
                                      dataset.vocab_size, seed)
 
+    def describe(self, step: int) -> str:
+        """Where step `step`'s windows come from, for diagnostics."""
+        starts = self.windows.starts(step)
+        shown = ", ".join(str(int(s)) for s in starts[:4]) + (", ..." if len(starts) > 4 else "")
+        return f"{self.windows.path} at token offsets [{shown}] (seq_len {self.windows.seq_len})"
+
     def cycle(self, step: int) -> list[dict]:
         windows = self.windows.batch(step)  # (batch_size * grad_accum, seq_len + 1)
         return [self._to_batch(windows[i:i + self.batch_size]) for i in range(0, len(windows), self.batch_size)]

@@ -44,17 +44,31 @@ def save_checkpoint(run_dir: Path, step: int, backend, loop_state: dict, keep_la
             shutil.rmtree(final)
         tmp.rename(final)
         _fsync(final.parent)
-    except OSError as exc:
+    except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
-            raise OutputError("the disk filled up while saving a checkpoint", str(final),
+        if _out_of_space(exc):
+            raise OutputError(f"the disk filled up (or a file size limit was hit) while saving a checkpoint: "
+                              f"{_first_line(exc)}", str(final),
                               "free space or lower --keep-last; the previous checkpoint is intact") from exc
-        raise OutputError(f"cannot write checkpoint: {exc.strerror or exc}", str(final),
-                          "check permissions and free space of the output directory") from exc
+        if isinstance(exc, OSError):
+            raise OutputError(f"cannot write checkpoint: {exc.strerror or exc}", str(final),
+                              "check permissions and free space of the output directory") from exc
+        raise
     if keep_last > 0:
         for old in complete_checkpoints(run_dir, quiet=True)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    # torch.save's C++ writer turns a short write into a RuntimeError without the errno
+    return isinstance(exc, RuntimeError) and ("unexpected pos" in str(exc) or "PytorchStreamWriter" in str(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _fsync(path: Path) -> None:

@@ -105,10 +105,12 @@ def describe_batch(batch: dict) -> str:
 
 
 def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, settings, run_dir: Path,
-        state: LoopState, callbacks: Callbacks | None = None, keep_last: int = 0) -> LoopState:
+        state: LoopState, callbacks: Callbacks | None = None, watchdog=None) -> LoopState:
     """Train until settings.max_steps; returns the final state. Raises Interrupted after a
-    graceful stop and TrainingDiverged after MAX_BAD_STEPS_IN_A_ROW non-finite steps."""
+    graceful stop and TrainingDiverged after MAX_BAD_STEPS_IN_A_ROW non-finite steps. A watchdog,
+    if given, is told of every step, evaluation and checkpoint."""
     callbacks = callbacks or Callbacks()
+    beat = watchdog.beat if watchdog is not None else (lambda phase: None)
     metrics = MetricsLog(run_dir, state.step)
     progress = Progress(settings.max_steps, state.step, settings.log_every)
     start_step = state.step
@@ -126,12 +128,16 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
                 step_time = time.monotonic() - step_started
                 state.step += 1
                 state.tokens_seen += result.input_tokens
+                beat(f"training after step {state.step}")
                 if state.step == start_step + 1:
                     log(f"first step done: loss {result.loss:.4f} in {time.monotonic() - started:.1f} s")
-                _check_finite(result, state, lr, settings, micro_batches)
+                    if watchdog is not None:
+                        watchdog.first_step_done(time.monotonic() - started)
+                _check_finite(result, state, lr, backend, source, micro_batches)
 
                 val_loss = None
                 if eval_batches and (_due(state.step, settings.eval_every) or state.step == settings.max_steps):
+                    beat(f"evaluating at step {state.step}")
                     val_loss = backend.eval_loss(eval_batches)
                     is_best = math.isfinite(val_loss) and (state.best_val_loss is None or val_loss < state.best_val_loss)
                     if is_best:
@@ -147,11 +153,13 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
                     "mem_bytes": backend.memory_bytes(), "elapsed_s": round(state.elapsed_s, 3),
                 })
                 progress.update(state.step, result.loss, lr, tokens_per_s, val_loss)
+                beat(f"training after step {state.step}")
 
                 last = state.step == settings.max_steps
                 if _due(state.step, settings.save_every) or last or stop.signal_name:
+                    beat(f"saving the checkpoint of step {state.step}")
                     path = save_checkpoint(run_dir, state.step, backend, {"loop": dataclasses.asdict(state)},
-                                           keep_last)
+                                           settings.keep_last)
                     callbacks.on_checkpoint(state, path)
                     if stop.signal_name:
                         raise Interrupted(f"stopped by {stop.signal_name} at step {state.step}",
@@ -169,7 +177,7 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
 
 
-def _check_finite(result, state: LoopState, lr: float, settings, micro_batches: list[dict]) -> None:
+def _check_finite(result, state: LoopState, lr: float, backend, source, micro_batches: list[dict]) -> None:
     if not result.skipped:
         state.bad_in_a_row = 0
         return
@@ -178,8 +186,11 @@ def _check_finite(result, state: LoopState, lr: float, settings, micro_batches: 
     log(f"warning: step {state.step} skipped: loss {result.loss}, grad_norm {result.grad_norm} "
         f"({state.bad_in_a_row} in a row)")
     if state.bad_in_a_row >= MAX_BAD_STEPS_IN_A_ROW:
-        precision = getattr(settings, "precision", "?")
+        placement = getattr(backend, "placement", None)
+        precision = placement.precision if placement is not None else "?"
+        describe = getattr(source, "describe", None)
+        location = describe(state.step - 1) if describe else describe_batch(micro_batches[0])
         raise TrainingDiverged(
             f"loss or gradients not finite for {state.bad_in_a_row} steps in a row (last: step {state.step}, "
-            f"lr {lr:.3e}, precision {precision}, {describe_batch(micro_batches[0])})",
+            f"lr {lr:.3e}, precision {precision}, batch {location})",
             "training", "lower --learning-rate or use --precision fp32/bf16; the last checkpoint is intact")

@@ -9,24 +9,28 @@ from pathlib import Path
 from ptbr.config import PretrainConfig, get_preset
 from ptbr.data import SAMPLE_DIR
 from ptbr.data.tokens import PretrainBatches, eval_windows, open_dataset
-from ptbr.errors import ConfigError
+from ptbr.errors import DataError
 from ptbr.log import attach_run_log, detach, log
+from ptbr.train.lock import RunLock
 from ptbr.train.loop import LoopState, fit
 from ptbr.train.run_dir import create_run_dir, resume_point, write_json
+from ptbr.train.watchdog import Watchdog
 from ptbr.versions import package_versions
 
 
 def run_pretrain(settings: PretrainConfig) -> dict:
     """Pretrain a preset from scratch; returns training_summary.json's contents."""
     run_dir = create_run_dir(settings.output)
-    handler = attach_run_log(run_dir)
-    try:
-        return _run(settings, run_dir)
-    finally:
-        detach(handler)
+    with RunLock(run_dir):
+        handler = attach_run_log(run_dir)
+        try:
+            with Watchdog(run_dir, settings.hang_timeout, settings.hang_action) as watchdog:
+                return _run(settings, run_dir, watchdog)
+        finally:
+            detach(handler)
 
 
-def _run(settings: PretrainConfig, run_dir: Path) -> dict:
+def _run(settings: PretrainConfig, run_dir: Path, watchdog: Watchdog) -> dict:
     import torch
 
     from ptbr.data.tokenizer import save_for_transformers
@@ -42,10 +46,11 @@ def _run(settings: PretrainConfig, run_dir: Path) -> dict:
         log(f"warning: {warning}")
     preset = get_preset(settings.model_size)
     if len(dataset.train) < settings.seq_len + 1:
-        raise ConfigError(f"train.bin holds {len(dataset.train)} tokens, fewer than seq_len + 1 = {settings.seq_len + 1}",
+        raise DataError(f"train.bin holds {len(dataset.train)} tokens, fewer than seq_len + 1 = {settings.seq_len + 1}",
                           str(dataset.train_path), "lower --seq-len or add data")
     placement = resolve_precision(resolve_device(settings.device), settings.precision)
     log(f"device {placement.device}, precision {placement.precision} ({placement.reason})")
+    watchdog.device = placement.device
 
     pad_id = dataset.meta.get("pad_id") if dataset.meta else None
     model = build_model(preset, dataset.vocab_size, dataset.eos_id, settings.seed, pad_id).to(placement.device)
@@ -87,7 +92,8 @@ def _run(settings: PretrainConfig, run_dir: Path) -> dict:
         log("warning: no usable val.bin: training without evaluation")
 
     started = time.monotonic()
-    state = fit(backend, source, eval_batches, settings, run_dir, state)
+    state = fit(backend, source, eval_batches, settings, run_dir, state, watchdog=watchdog)
+    watchdog.beat("writing final/")
 
     final = run_dir / "final"
     final.mkdir(exist_ok=True)

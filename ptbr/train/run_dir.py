@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from ptbr.errors import ConfigError, OutputError
@@ -25,6 +26,8 @@ def create_run_dir(output: str) -> Path:
 
 def resume_point(run_dir: Path, resume: str) -> tuple[Path | None, dict | None]:
     """(checkpoint, its trainer state) to continue from, per --resume auto|never|PATH."""
+    for leftover in run_dir.glob("checkpoints/.tmp-step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by a crash; we hold the lock
     if resume == "never":
         return None, None
     if resume == "auto":

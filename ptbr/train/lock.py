@@ -1,0 +1,60 @@
+"""One run per output directory: OUTPUT/.ptbr.lock, held with flock for the life of the process.
+
+The kernel releases an flock when its process dies (even by SIGKILL), so a lock left behind by a
+dead run is taken over; the PID written inside names the owner in messages.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from ptbr.errors import OutputError
+from ptbr.log import log
+
+LOCK_FILE = ".ptbr.lock"
+
+
+class RunLock:
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = _read_owner(fd)
+            os.close(fd)
+            raise OutputError(f"another ptbr run (PID {owner.get('pid', '?')} on {owner.get('host', '?')}) is using "
+                              "this output directory", str(self.path.parent),
+                              "wait for it to finish, stop it, or choose another --output") from None
+        previous = _read_owner(fd)
+        if previous.get("pid") and previous.get("pid") != str(os.getpid()):
+            log(f"taking over a stale lock from PID {previous['pid']} (no longer running) in {self.path.parent}")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid={os.getpid()}\nhost={socket.gethostname()}\n".encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # a clean exit leaves no owner behind
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_owner(fd: int) -> dict[str, str]:
+    text = os.pread(fd, 4096, 0).decode(errors="replace")
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)

@@ -1,0 +1,102 @@
+"""The hang watchdog: when no step completes in time, report where every thread is and exit.
+
+The old tools froze at step 0% forever. Here a background thread watches a heartbeat that the loop
+touches at each step, evaluation and checkpoint; it also covers model building and the first step.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from ptbr.log import log
+
+EXIT_HANG = 8
+BEFORE_FIRST_STEP_S = 1800.0  # model download/build, data checks, first CUDA kernels
+AFTER_FIRST_STEP_FACTOR = 20.0
+AFTER_FIRST_STEP_MIN_S = 300.0
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, timeout_s: float | None, action: str = "exit", device=None):
+        self.run_dir, self.configured, self.action, self.device = run_dir, timeout_s, action, device
+        self.limit = timeout_s if timeout_s is not None else BEFORE_FIRST_STEP_S
+        self.last_beat = time.monotonic()
+        self.phase = "starting (before the first step)"
+        self.reported = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ptbr-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def beat(self, phase: str) -> None:
+        self.last_beat = time.monotonic()
+        self.phase = phase
+        self.reported = False
+
+    def first_step_done(self, seconds: float) -> None:
+        if self.configured is None:
+            self.limit = max(AFTER_FIRST_STEP_MIN_S, AFTER_FIRST_STEP_FACTOR * seconds)
+            log(f"hang watchdog: {self.limit:.0f} s without progress is a hang (--hang-timeout to change)")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.limit / 10)):
+            waited = time.monotonic() - self.last_beat
+            if waited > self.limit and not self.reported:
+                self.reported = True
+                self._report(waited)
+                if self.action == "exit":
+                    os._exit(EXIT_HANG)  # the main thread is stuck: only the process can end it
+
+    def _report(self, waited: float) -> None:
+        path = self.run_dir / "hang_report.txt"
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"ptbr hang report: no progress for {waited:.0f} s (limit {self.limit:.0f} s) "
+                    f"while {self.phase}\n\n")
+            f.write(f"device memory: {self._memory()}\n\nlast log lines:\n")
+            f.writelines(_tail(self.run_dir / "train.log", 20))
+            f.write("\nstacks of every thread (most recent call first):\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        message = (f"error: no progress for {waited:.0f} s while {self.phase} (hang report in {path}); "
+                   f"fix: read the stacks there; raise --hang-timeout if the step is just slow")
+        log(message)
+        if self.action == "warn":
+            log("hang watchdog: --hang-action warn, still waiting")
+
+    def _memory(self) -> str:
+        try:
+            import torch
+
+            if self.device is not None and self.device.type == "cuda":
+                return (f"allocated {torch.cuda.memory_allocated(self.device):,} B, "
+                        f"peak {torch.cuda.max_memory_allocated(self.device):,} B")
+            import psutil
+
+            return f"process RSS {psutil.Process().memory_info().rss:,} B"
+        except Exception as exc:  # noqa: BLE001 - a report must not fail for want of a number
+            return f"unknown ({exc})"
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return list(deque(f, maxlen=lines))
+    except OSError:
+        return ["(no train.log)\n"]

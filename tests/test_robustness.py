@@ -1,0 +1,314 @@
+"""Never die silently: one-line errors, locks, the hang watchdog, signals, safe checkpoints, NaN.
+
+Every test here runs the real CLI in a subprocess, as a user (or Kaggle, or `docker stop`) would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli
+
+TINY = ["--model-size", "tiny", "--seq-len", "64", "--batch-size", "8", "--device", "cpu"]
+
+
+def train_cmd(output: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ptbr", "train", "--output", str(output), *TINY, *extra]
+
+
+def metric_lines(output: Path) -> int:
+    try:
+        return len((output / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for(predicate, timeout: float = 120, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+# ---- bad input: one line, a documented exit code, no traceback -------------------------------
+
+
+def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str]]:
+    empty = tmp / "empty"
+    empty.mkdir()
+    odd = tmp / "odd"
+    odd.mkdir()
+    (odd / "train.bin").write_bytes(b"\x01\x00\x02")
+    short = tmp / "short"
+    short.mkdir()
+    (short / "train.bin").write_bytes(np.array([1, 2, 3], dtype="<u2").tobytes())
+    corrupt_tok = tmp / "corrupt.json"
+    corrupt_tok.write_text('{"not": "a tokenizer"')
+    unknown_keys = tmp / "unknown.yaml"
+    unknown_keys.write_text("batch_size: 2\nlearnig_rate: 0.1\n")
+    blocker = tmp / "a_file"
+    blocker.write_text("x")
+    tok = str(dataset / "tokenizer.json")
+    out = str(tmp / "out")
+    return {
+        "missing data dir": (["train", "--data", str(tmp / "nope"), "--output", out], 3, "data directory not found"),
+        "empty data dir": (["train", "--data", str(empty), "--output", out], 3, "no train.bin"),
+        "odd byte count": (["train", "--data", str(odd), "--tokenizer", tok, "--output", out], 3, "not a multiple of 2"),
+        "shorter than seq_len + 1": (["train", "--data", str(short), "--tokenizer", tok, "--output", out, "--seq-len",
+                                      "16"], 3, "fewer than seq_len + 1"),
+        "missing tokenizer": (["train", "--data", str(odd), "--tokenizer", str(tmp / "none.json"), "--output", out], 3,
+                              "tokenizer not found"),
+        "corrupt tokenizer": (["train", "--data", str(odd), "--tokenizer", str(corrupt_tok), "--output", out], 3,
+                              "tokenizer.json is corrupt"),
+        "seq_len above max positions": (["train", "--seq-len", "4096", "--output", out], 2, "exceeds the tiny model"),
+        "batch size 0": (["train", "--batch-size", "0", "--output", out], 2, "batch_size must be a positive integer"),
+        "grad accum negative": (["train", "--grad-accum", "-2", "--output", out], 2, "grad_accum must be a positive"),
+        "steps 0": (["train", "--max-steps", "0", "--output", out], 2, "max_steps must be a positive integer"),
+        "learning rate 0": (["train", "--learning-rate", "0", "--output", out], 2, "learning_rate must be a finite"),
+        "learning rate nan": (["train", "--learning-rate", "nan", "--output", out], 2, "learning_rate must be a finite"),
+        "unknown preset": (["train", "--model-size", "7b", "--output", out], 2, "unknown model size '7b'"),
+        "output cannot be created": (["train", "--output", str(blocker / "run"), "--max-steps", "1"], 6,
+                                     "cannot create or write the output directory"),
+        "config with unknown keys": (["train", "--config", str(unknown_keys), "--output", out], 2,
+                                     "unknown key 'learnig_rate'"),
+        "prepare on nothing": (["prepare", "--input", str(tmp / "none.txt"), "--output", out], 3, "input not found"),
+    }
+
+
+CASES = ["missing data dir", "empty data dir", "odd byte count", "shorter than seq_len + 1", "missing tokenizer",
+         "corrupt tokenizer", "seq_len above max positions", "batch size 0", "grad accum negative", "steps 0",
+         "learning rate 0", "learning rate nan", "unknown preset", "output cannot be created",
+         "config with unknown keys", "prepare on nothing"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_with_a_documented_code(case, tmp_path, dataset_dir):
+    args, code, fragment = _bad_inputs(tmp_path, dataset_dir)[case]
+    run = run_cli(*args)
+    assert run.returncode == code, run.stderr
+    line = last_line(run.stderr)
+    assert line.startswith("error: ") and fragment in line and "; fix: " in line
+    assert "Traceback" not in run.stderr
+
+
+# ---- one run per output directory ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_output_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen(train_cmd(out, "--max-steps", "100000", "--save-every", "0"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: metric_lines(out) >= 1, what="the first run's first step")
+        second = run_cli("train", "--output", str(out), *TINY, "--max-steps", "2")
+        assert second.returncode == 6
+        assert f"another ptbr run (PID {first.pid} on " in last_line(second.stderr)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    third = run_cli("train", "--output", str(out), *TINY, "--max-steps", "2", "--resume", "never")
+    assert third.returncode == 0, third.stderr
+    assert f"taking over a stale lock from PID {first.pid}" in third.stderr
+
+
+# ---- hang watchdog ---------------------------------------------------------------------------
+
+STALL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from ptbr.data import tokens
+    stall_at, stall_s = int(sys.argv[1]), float(sys.argv[2])
+    original = tokens.PretrainBatches.cycle
+    def stalled(self, step):
+        if step == stall_at:
+            time.sleep(stall_s)  # a data source that stops answering (a dead network mount, say)
+        return original(self, step)
+    tokens.PretrainBatches.cycle = stalled
+    from ptbr.cli import main
+    raise SystemExit(main(sys.argv[3:]))
+""")
+
+
+def run_stalled(output: Path, stall_at: int, stall_s: float, *extra: str) -> subprocess.CompletedProcess:
+    # 15 s: longer than start-up (imports, model build) on a busy 2-core machine, which the
+    # watchdog also covers
+    args = ["train", "--output", str(output), *TINY, "--max-steps", "4", "--hang-timeout", "15", *extra]
+    return subprocess.run([sys.executable, "-c", STALL_SCRIPT, str(stall_at), str(stall_s), *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stall_at,phase", [(0, "before the first step"), (2, "training after step 2")])
+def test_a_stalled_data_source_is_reported_and_the_run_exits(tmp_path, stall_at, phase):
+    out = tmp_path / "run"
+    started = time.monotonic()
+    run = run_stalled(out, stall_at, 600)
+    assert run.returncode == 8, run.stderr
+    assert time.monotonic() - started < 90
+    report = (out / "hang_report.txt").read_text()
+    assert "no progress for" in report and phase in report
+    assert "process RSS" in report and "last log lines:" in report
+    assert " in stalled" in report  # the stuck frame, in the main thread's stack
+    assert "Thread 0x" in report and "ptbr/train/watchdog.py" in report  # every thread is dumped
+    assert f"hang report in {out / 'hang_report.txt'}" in run.stderr
+
+
+@pytest.mark.slow
+def test_hang_action_warn_reports_and_keeps_waiting(tmp_path):
+    out = tmp_path / "run"
+    run = run_stalled(out, 1, 20, "--hang-action", "warn")
+    assert run.returncode == 0, run.stderr
+    assert (out / "hang_report.txt").is_file() and "still waiting" in run.stderr
+    assert metric_lines(out) == 4
+
+
+# ---- crash capture ---------------------------------------------------------------------------
+
+
+def test_an_unexpected_exception_leaves_a_crash_report(tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from ptbr.train import step
+        def broken(self, micro_batches, lr):
+            raise RuntimeError("simulated bug inside the step")
+        step.TorchStep.train_step = broken
+        from ptbr.cli import main
+        raise SystemExit(main(sys.argv[1:]))
+    """)
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-c", script, "train", "--output", str(out), *TINY, "--max-steps", "2"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 1
+    report = out / "crash_report.txt"
+    assert last_line(run.stderr) == (f"error: unexpected RuntimeError: simulated bug inside the step "
+                                     f"(details in {report}); fix: report it with that file")
+    text = report.read_text()
+    assert "Traceback" in text and "simulated bug inside the step" in text and "'max_steps': 2" in text
+    assert "versions: {'python'" in text
+
+
+# ---- graceful stop, SIGKILL, safe checkpoints --------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_within_seconds_and_the_next_run_resumes(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(out, "--max-steps", "100000", "--save-every", "0"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: metric_lines(out) >= 3, what="three steps")
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == 130
+    line = last_line(err)
+    assert line.startswith("error: stopped by SIGTERM at step ") and "run the same command again to resume" in line
+    step = int(line.split("at step ")[1].split()[0])
+    checkpoint = out / "checkpoints" / f"step_{step:06d}"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
+    again = run_cli("train", "--output", str(out), *TINY, "--max-steps", str(step + 2), "--save-every", "0")
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from {checkpoint} (step {step})" in again.stderr
+    assert metric_lines(out) == step + 2
+
+
+@pytest.mark.slow
+def test_sigkill_at_several_moments_then_resume_gives_the_uninterrupted_weights(tmp_path):
+    settings = ["--max-steps", "12", "--save-every", "2"]
+    reference = tmp_path / "reference"
+    assert subprocess.run(train_cmd(reference, *settings), capture_output=True).returncode == 0
+    expected = load_file(str(reference / "final" / "model.safetensors"))
+    for kill_after in (1, 5, 9):
+        out = tmp_path / f"killed_after_{kill_after}"
+        proc = subprocess.Popen(train_cmd(out, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda out=out, proc=proc, k=kill_after: metric_lines(out) >= k or proc.poll() is not None,
+                 what=f"step {kill_after}")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (out / "final").exists(), "the run finished before it could be killed"
+        resumed = subprocess.run(train_cmd(out, *settings), capture_output=True, text=True)
+        assert resumed.returncode == 0, resumed.stderr
+        got = load_file(str(out / "final" / "model.safetensors"))
+        assert all(torch.equal(got[name], expected[name]) for name in expected), f"killed after {kill_after}"
+
+
+def test_incomplete_checkpoints_are_skipped_with_a_message(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", "--output", str(out), *TINY, "--max-steps", "4", "--save-every", "2").returncode == 0
+    newest = out / "checkpoints" / "step_000004"
+    with open(newest / "optimizer.pt", "r+b") as f:
+        f.truncate(100)  # what a kill in the middle of a non-atomic write would leave
+    run = run_cli("train", "--output", str(out), *TINY, "--max-steps", "4", "--save-every", "2")
+    assert run.returncode == 0, run.stderr
+    assert f"skipping incomplete or corrupt checkpoint {newest}" in run.stderr
+    assert f"resuming from {out / 'checkpoints' / 'step_000002'} (step 2)" in run.stderr
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    run = run_cli("train", "--output", str(out), *TINY, "--max-steps", "5", "--save-every", "1", "--keep-last", "2")
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004", "step_000005"]
+
+
+def _limit_file_size():
+    # any single file over 6 MB fails to write (EFBIG), like a disk that fills up mid-save:
+    # the tiny model's weights (4.3 MB) fit, its AdamW state (8.5 MB) does not
+    resource.setrlimit(resource.RLIMIT_FSIZE, (6 * 1024 * 1024, resource.RLIM_INFINITY))
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", "--output", str(out), *TINY, "--max-steps", "2", "--save-every", "2").returncode == 0
+    run = subprocess.run(train_cmd(out, "--max-steps", "4", "--save-every", "2"), capture_output=True, text=True,
+                         preexec_fn=_limit_file_size, timeout=180)
+    assert run.returncode == 6, run.stderr
+    assert last_line(run.stderr).startswith("error: the disk filled up (or a file size limit was hit) while saving")
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_000002"]  # nothing half-written left behind
+    from ptbr.train.checkpoint import read_state
+
+    assert read_state(out / "checkpoints" / "step_000002")["step"] == 2
+
+
+# ---- NaN / inf ---------------------------------------------------------------------------------
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_diagnosis(tmp_path):
+    out = tmp_path / "run"
+    run = run_cli("train", "--output", str(out), *TINY, "--max-steps", "20", "--save-every", "1",
+                  "--learning-rate", "1e9", "--warmup-steps", "0")
+    assert run.returncode == 7
+    line = last_line(run.stderr)
+    assert line.startswith("error: loss or gradients not finite for 5 steps in a row (last: step 6, lr ")
+    assert "precision fp32, batch " in line and "train.bin at token offsets [" in line
+    assert run.stderr.count("skipped: loss nan") == 5
+    # skipped steps never touch the weights: the checkpoints stay finite and loadable
+    weights = load_file(str(out / "checkpoints" / "step_000001" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_checkpoint_states_load_without_unpickling_code(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", "--output", str(out), *TINY, "--max-steps", "1").returncode == 0
+    for name in ("optimizer.pt", "scaler.pt", "rng.pt"):
+        torch.load(out / "checkpoints" / "step_000001" / name, weights_only=True)
+    assert os.path.getsize(out / "checkpoints" / "step_000001" / "model.safetensors") > 4_000_000

@@ -116,6 +116,12 @@ class LoopSettings:
     )
     resume: str = setting("auto", "auto: continue from the newest complete checkpoint; never; or a checkpoint PATH.")
     gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass to save memory.")
+    keep_last: int = setting(0, "Keep only the newest N checkpoints (0 keeps all).")
+    hang_timeout: float | None = setting(
+        None, "Seconds without a completed step before the watchdog reports a hang (default: 30 min before the "
+        "first step, then 20x the first step's time, at least 5 min).")
+    hang_action: str = setting("exit", "On a hang: exit (write hang_report.txt, exit 8) or warn (report, keep waiting).",
+                               ("exit", "warn"))
 
     def __post_init__(self) -> None:
         if self.warmup_steps is None and isinstance(self.max_steps, int):
@@ -158,6 +164,12 @@ class LoopSettings:
             found.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not self.resume:
             found.append("resume must be auto, never or a checkpoint path")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            found.append(f"keep_last must be an integer >= 0, got {self.keep_last!r}")
+        if self.hang_timeout is not None and (not _finite(self.hang_timeout) or self.hang_timeout <= 0):
+            found.append(f"hang_timeout must be a number of seconds > 0, got {self.hang_timeout!r}")
+        if self.hang_action not in ("exit", "warn"):
+            found.append(f"hang_action must be exit or warn, got {self.hang_action!r}")
         return found
 
 
@@ -182,6 +194,62 @@ class PretrainConfig(LoopSettings):
         elif isinstance(self.seq_len, int) and self.seq_len > PRESETS[self.model_size].max_position_embeddings:
             limit = PRESETS[self.model_size].max_position_embeddings
             found.append(f"seq_len {self.seq_len} exceeds the {self.model_size} model's maximum of {limit} positions")
+        return found
+
+
+QUANTS = ("4bit", "8bit", "none")
+
+
+@dataclass
+class FinetuneConfig(LoopSettings):
+    """`ptbr finetune`: LoRA / QLoRA of a Hugging Face causal LM on chat or instruction JSONL."""
+
+    # Redefined from LoopSettings: a fine-tuning run must never resume from a pretraining run's
+    # checkpoints, and three settings wait for the data (None: see resolve_steps / the help).
+    output: str = setting("runs/finetune", "Run directory: checkpoints, adapters (the best by val_loss), metrics.")
+    max_steps: int | None = setting(None, "Optimizer steps to train for (default: epochs x steps per epoch).")
+    eval_batches: int | None = setting(None, "Validation batches per evaluation (default: the whole validation set).")
+    save_every: int = setting(100, "Save a checkpoint every N steps (and always at the end).")
+    eval_every: int = setting(50, "Evaluate on the validation set every N steps (0: only at the end); the best adapter is kept.")
+    base: str | None = setting(None, "Base model: a local Hugging Face directory (a hub id needs network).")
+    data: str | None = setting(None, "train.jsonl, or a directory holding train.jsonl and valid.jsonl.")
+    valid: str | None = setting(None, "Validation JSONL (default: valid.jsonl next to train.jsonl when --data is a directory).")
+    quant: str = setting("4bit", "Base weights: 4bit (QLoRA: NF4, double quantization), 8bit or none.", QUANTS)
+    lora_r: int = setting(16, "LoRA rank.")
+    lora_alpha: float = setting(32, "LoRA alpha (the update is scaled by alpha / r).")
+    lora_dropout: float = setting(0.05, "Dropout on the LoRA input.")
+    target_modules: str | None = setting(
+        None, "Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear projection but lm_head).")
+    max_seq_len: int = setting(1024, "Longest example in tokens; longer ones are truncated (with a warning) or dropped.")
+    drop_long: bool = setting(False, "Drop examples longer than max_seq_len instead of truncating them.")
+    epochs: int = setting(1, "Passes over the training examples (ignored when max_steps is given).")
+    merge: bool = setting(False, "At the end, also write OUTPUT/merged: the base with the best adapter merged in.")
+    trust_remote_code: bool = setting(False, "Allow the base model's own Python code to run (only for models you trust).")
+
+    def resolve_steps(self, steps_per_epoch: int) -> FinetuneConfig:
+        """The one place max_steps is settled: an explicit value wins, else epochs x steps_per_epoch.
+        The warmup default then follows from it (LoopSettings.__post_init__)."""
+        max_steps = self.max_steps if self.max_steps is not None else self.epochs * steps_per_epoch
+        return dataclasses.replace(self, max_steps=max_steps)
+
+    def problems(self) -> list[str]:
+        waiting = [name for name in ("max_steps", "warmup_steps", "eval_batches") if getattr(self, name) is None]
+        found = [p for p in super().problems() if p.split(" ", 1)[0] not in waiting]
+        for name in ("base", "data"):
+            if not getattr(self, name):
+                found.append(f"{name} is required (--{name})")
+        if self.quant not in QUANTS:
+            found.append(f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        for name in ("lora_r", "max_seq_len", "epochs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                found.append(f"{name} must be a positive integer, got {value!r}")
+        if not _finite(self.lora_alpha) or self.lora_alpha <= 0:
+            found.append(f"lora_alpha must be a finite number > 0, got {self.lora_alpha!r}")
+        if not _finite(self.lora_dropout) or not 0 <= self.lora_dropout < 1:
+            found.append(f"lora_dropout must be within [0, 1), got {self.lora_dropout!r}")
+        if self.target_modules is not None and not [m for m in self.target_modules.split(",") if m.strip()]:
+            found.append("target_modules must name at least one module, e.g. q_proj,v_proj")
         return found
 
 

@@ -49,3 +49,13 @@ def test_smoke_passes_in_a_subprocess():
     run = run_cli("smoke", timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("smoke ok: one step of tiny, loss ")
+
+
+def test_test_gpu_without_a_gpu_says_so_and_probes_on_cpu():
+    import torch
+
+    run = run_cli("test-gpu", "--model-size", "tiny", "--vocab-size", "2048", "--seq-len", "64", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU found: running the probe on the CPU" in run.stdout
+    assert "one training step of tiny (1,066,112 parameters) on cpu in fp32: batch 1 x 64, loss " in run.stdout

@@ -12,13 +12,14 @@ import os
 import sys
 
 from ptbr import __version__
-from ptbr.config import PretrainConfig, settings_fields
+from ptbr.config import FinetuneConfig, PretrainConfig, settings_fields
 
 EXIT_CODES = """exit codes:
   0  success            1  unexpected crash (see crash_report.txt)
   2  bad settings       3  bad data            4  model/tokenizer/checkpoint
   5  device/memory      6  output directory    7  training diverged (NaN/inf)
-  9  smoke test failed  130 stopped by a signal (checkpoint saved; run again to resume)"""
+  8  hang (see hang_report.txt)                9  smoke test failed
+  130 stopped by a signal (checkpoint saved; run again to resume)"""
 
 # command -> (module:function, one-line help); modules load only when their command runs
 COMMANDS = {
@@ -28,6 +29,9 @@ COMMANDS = {
     "test-gpu": ("ptbr.commands.test_gpu:main", "probe the accelerator with one real training step"),
     "generate": ("ptbr.commands.generate:main", "sample text from a trained model"),
     "smoke": ("ptbr.commands.smoke:main", "one tiny training step, save and reload: is this install sound?"),
+    "finetune": ("ptbr.commands.finetune:main", "LoRA/QLoRA fine-tuning of a Hugging Face model on chat/instruction JSONL"),
+    "validate-data": ("ptbr.commands.validate_data:main", "check chat/instruction JSONL, every problem with its line"),
+    "merge": ("ptbr.commands.merge:main", "merge a LoRA adapter into its base: a full model that loads without peft"),
 }
 
 
@@ -102,6 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("smoke", help=COMMANDS["smoke"][1], description=COMMANDS["smoke"][1])
     p.add_argument("--output", help="keep the smoke run here (default: a temporary directory)")
+
+    p = sub.add_parser("finetune", help=COMMANDS["finetune"][1], description=COMMANDS["finetune"][1])
+    add_settings_flags(p, FinetuneConfig)
+
+    p = sub.add_parser("validate-data", help=COMMANDS["validate-data"][1], description=COMMANDS["validate-data"][1])
+    p.add_argument("files", nargs="+", metavar="FILE_OR_DIR",
+                   help="JSONL files; a directory stands for its train.jsonl and valid.jsonl")
+    p.add_argument("--base", help="a model directory: also check token lengths and the chat template")
+    p.add_argument("--max-seq-len", type=int, help="length to check against (default: finetune's max_seq_len)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the base tokenizer's own code to run")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("merge", help=COMMANDS["merge"][1], description=COMMANDS["merge"][1])
+    p.add_argument("--base", required=True, help="the base model directory the adapter was trained on")
+    p.add_argument("--adapter", required=True, help="the adapter directory (OUTPUT/adapters)")
+    p.add_argument("--output", required=True, help="directory to write the merged model to")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="dtype of the merged weights (default: auto, the base's own)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
+
+
     return parser
 
 

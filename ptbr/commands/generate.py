@@ -14,8 +14,10 @@ def load_for_generation(model_dir: str, adapter: str | None, device):
     path = Path(model_dir)
     if path.exists() and not (path / "config.json").is_file():
         raise ModelError("no config.json in the model directory", str(path), "give OUTPUT/final or a Hugging Face model dir")
+    # an adapter written by `ptbr finetune` carries the tokenizer it was trained with (chat template included)
+    tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_dir
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
     except OSError as exc:
         raise ModelError(f"cannot load the model: {str(exc).splitlines()[0]}", model_dir,
@@ -29,10 +31,19 @@ def load_for_generation(model_dir: str, adapter: str | None, device):
     return tokenizer, model.to(device).eval()
 
 
-def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
+def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
+             chat: bool = False) -> str:
+    """The continuation of `prompt`; with chat=True, the answer to `prompt` as a user message,
+    rendered with the chat template exactly as fine-tuning rendered its examples."""
     import torch
 
-    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    if chat:
+        from ptbr.finetune.data import encode_prompt
+
+        ids = torch.tensor([encode_prompt(tokenizer, prompt, "messages")], device=model.device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    else:
+        inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     sampling = temperature > 0
     options = {"do_sample": sampling, "max_new_tokens": max_new_tokens,
                "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id}
@@ -52,6 +63,12 @@ def main(args) -> int:
     from ptbr.train.device import resolve_device
 
     tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device))
-    text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(args.prompt + text)
+    chat = False
+    if args.adapter:
+        from ptbr.finetune.adapter import read_adapter_meta
+
+        chat = read_adapter_meta(args.adapter).get("format") == "messages"  # trained on conversations
+    text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                    chat=chat)
+    print(text.strip() if chat else args.prompt + text)
     return 0

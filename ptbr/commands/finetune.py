@@ -1,0 +1,14 @@
+"""`ptbr finetune`."""
+
+from ptbr.commands import quiet_transformers, settings_from_args
+from ptbr.config import FinetuneConfig
+
+
+def main(args) -> int:
+    settings = settings_from_args(FinetuneConfig, args)
+    args.output = settings.output  # for the crash report
+    quiet_transformers()
+    from ptbr.finetune.run import run_finetune
+
+    run_finetune(settings)
+    return 0

@@ -1,0 +1,62 @@
+"""Batches of encoded examples: the training BatchSource (epochs of shuffled examples) and the
+fixed validation batches."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ptbr.finetune.data import Example
+from ptbr.train.step import IGNORE_INDEX
+
+
+def collate(examples: list[Example], pad_id: int) -> dict:
+    """Right-pad to the longest example of this micro-batch: pad ids, attention_mask 0, labels -100."""
+    length = max(len(e.ids) for e in examples) - 1
+    input_ids = np.full((len(examples), length), pad_id, dtype=np.int64)  # (B, T)
+    labels = np.full((len(examples), length), IGNORE_INDEX, dtype=np.int64)  # (B, T)
+    attention_mask = np.zeros((len(examples), length), dtype=np.int64)  # (B, T)
+    for row, example in enumerate(examples):
+        inputs, targets = example.inputs_and_labels()
+        input_ids[row, :len(inputs)] = inputs
+        labels[row, :len(inputs)] = targets
+        attention_mask[row, :len(inputs)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+class ChatBatches:
+    """The training BatchSource of a fine-tuning run.
+
+    Each epoch visits every example once, in an order drawn from (seed, epoch); micro-batches of
+    batch_size follow that order, and a step takes grad_accum of them. The last step of an epoch
+    takes what remains (fewer micro-batches, the last one possibly short): nothing is dropped.
+    cycle(step) is a pure function of (seed, step), so a resumed run sees the same batches.
+    """
+
+    def __init__(self, examples: list[Example], batch_size: int, grad_accum: int, seed: int, pad_id: int):
+        if not examples:
+            raise ValueError("ChatBatches needs at least one example")
+        self.examples, self.batch_size, self.grad_accum = examples, batch_size, grad_accum
+        self.seed, self.pad_id = seed, pad_id
+        self.micro_batches_per_epoch = math.ceil(len(examples) / batch_size)
+        self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch / grad_accum)
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+
+    def cycle(self, step: int) -> list[dict]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = self.order(epoch)
+        first = index * self.grad_accum
+        last = min(first + self.grad_accum, self.micro_batches_per_epoch)
+        return [collate([self.examples[i] for i in order[m * self.batch_size:(m + 1) * self.batch_size]], self.pad_id)
+                for m in range(first, last)]
+
+
+def fixed_batches(examples: list[Example], batch_size: int, pad_id: int, max_batches: int | None = None) -> list[dict]:
+    """Validation: the examples in file order, in batches of batch_size; the same at every evaluation."""
+    chunks = [examples[i:i + batch_size] for i in range(0, len(examples), batch_size)]
+    if max_batches is not None:
+        chunks = chunks[:max_batches]
+    return [collate(chunk, pad_id) for chunk in chunks]

@@ -1,0 +1,319 @@
+"""Chat/instruction JSONL: every line checked (problems collected with line numbers), then encoded
+into token ids with a mask of the tokens the loss covers.
+
+Three formats, one per file:
+  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+      rendered with the tokenizer's chat template (DEFAULT_CHAT_TEMPLATE when it has none);
+      the loss covers the assistant turns only, their end-of-turn token included.
+  {"prompt": "...", "completion": "..."}
+      prompt, then completion + EOS; the loss covers the completion and the EOS.
+  {"text": "..."}
+      text + EOS; the loss covers every token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ptbr.train.step import IGNORE_INDEX
+
+ROLES = ("system", "user", "assistant")
+SCHEMAS = ("messages", "prompt_completion", "text")
+
+# Used when the base tokenizer has no chat template; saved with the adapter, so that generation
+# renders prompts exactly as training did. A conversation becomes
+#   {bos}<|system|>\n{system}\n<|user|>\n{question}\n<|assistant|>\n{answer}{eos}<|user|>\n...
+# ({bos} only if the tokenizer has one); the loss covers "{answer}{eos}".
+DEFAULT_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n{{ message['content'] }}{{ eos_token }}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# How many problems a DataError's one line lists before pointing to `ptbr validate-data`.
+PROBLEMS_IN_ERROR = 10
+LINES_IN_WARNING = 10
+
+
+@dataclass
+class Record:
+    line: int  # 1-based line number in the file
+    schema: str
+    value: dict
+
+
+@dataclass
+class Example:
+    """One encoded example: ids (L,) and targets (L,), True where the token is one the model learns
+    to predict. The first token is never predicted (nothing precedes it)."""
+
+    line: int
+    ids: np.ndarray
+    targets: np.ndarray
+
+    def inputs_and_labels(self) -> tuple[np.ndarray, np.ndarray]:
+        """Aligned like pretraining's windows: labels[t] is the target of position t."""
+        return self.ids[:-1], np.where(self.targets[1:], self.ids[1:], IGNORE_INDEX)
+
+
+@dataclass
+class JsonlReport:
+    """What checking one JSONL file found. Examples are encoded only when a tokenizer was given."""
+
+    path: Path
+    schema: str | None = None
+    records: list[Record] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    examples: list[Example] = field(default_factory=list)
+    longest: int = 0  # tokens of the longest example before truncation
+    too_long: int = 0  # examples longer than max_seq_len
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# --------------------------------------------------------------------------------------------
+# Checking
+# --------------------------------------------------------------------------------------------
+
+
+def check_record(value) -> tuple[str | None, list[str]]:
+    """The record's schema and every problem with it."""
+    if not isinstance(value, dict):
+        return None, [f"expected a JSON object, got {type(value).__name__}"]
+    if "messages" in value:
+        return "messages", _check_messages(value["messages"])
+    if "prompt" in value or "completion" in value:
+        return "prompt_completion", [p for key in ("prompt", "completion") for p in _check_text(value, key)]
+    if "text" in value:
+        return "text", _check_text(value, "text")
+    keys = ", ".join(sorted(value)) or "none"
+    return None, [f"unknown schema (keys: {keys}); expected \"messages\", \"prompt\" + \"completion\", or \"text\""]
+
+
+def _check_text(value: dict, key: str) -> list[str]:
+    if key not in value:
+        return [f"missing \"{key}\""]
+    text = value[key]
+    if not isinstance(text, str):
+        return [f"\"{key}\" must be a string, got {type(text).__name__}"]
+    if not text.strip():
+        return [f"\"{key}\" is empty"]
+    return []
+
+
+def _check_messages(messages) -> list[str]:
+    if not isinstance(messages, list) or not messages:
+        return ["\"messages\" must be a non-empty list of {\"role\", \"content\"} objects"]
+    found = []
+    roles = []
+    for number, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            found.append(f"message {number} is not an object")
+            roles.append(None)
+            continue
+        role = message.get("role")
+        if role not in ROLES:
+            found.append(f"message {number} has role {role!r}; expected one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if not isinstance(content, str):
+            found.append(f"message {number} ({role}) has no text \"content\"")
+        elif not content.strip():
+            found.append(f"message {number} ({role}) has empty content")
+        roles.append(role)
+    # an optional system message first, then user and assistant alternating, starting with user
+    turn = 0
+    for number, role in enumerate(roles, 1):
+        if role == "system":
+            if number > 1:
+                found.append(f"message {number}: a system message may only come first")
+            continue
+        expected = "user" if turn % 2 == 0 else "assistant"
+        turn += 1
+        if role in ROLES and role != expected:
+            found.append(f"message {number}: role {role!r} where {expected!r} was expected "
+                         "(system first, then user and assistant alternating)")
+    if roles[-1] != "assistant":
+        found.append(f"the conversation ends with {roles[-1]!r}; the last message must be the assistant's answer")
+    return found
+
+
+def inspect_jsonl(path: str | Path, tokenizer=None, max_seq_len: int | None = None,
+                  drop_long: bool = False) -> JsonlReport:
+    """Check every line of a JSONL file; with a tokenizer also encode each example and apply the
+    length policy (truncate, or drop with drop_long). Never raises for the file's content."""
+    report = JsonlReport(Path(path))
+    try:
+        raw = report.path.read_bytes()
+    except OSError as exc:
+        report.problems.append(f"cannot read the file: {exc.strerror or exc}")
+        return report
+    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some Windows editors write
+    if not raw.strip():
+        report.problems.append("the file is empty")
+        return report
+    first_schema_line = None
+    for number, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue  # blank lines (a trailing newline, spacing) carry no example
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            report.problems.append(f"line {number}: not valid UTF-8 (byte {exc.start + 1}); save the file as UTF-8")
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            report.problems.append(f"line {number}: invalid JSON: {exc.msg} at column {exc.colno}")
+            continue
+        schema, issues = check_record(value)
+        report.problems.extend(f"line {number}: {issue}" for issue in issues)
+        if schema is None:
+            continue
+        if report.schema is None:
+            report.schema, first_schema_line = schema, number
+        elif schema != report.schema:
+            report.problems.append(f"line {number}: a {schema!r} example in a file of {report.schema!r} examples "
+                                   f"(line {first_schema_line}); use one format per file")
+            continue
+        if not issues:
+            report.records.append(Record(number, schema, value))
+    if not report.records and not report.problems:
+        report.problems.append("no examples in the file")
+    if tokenizer is not None:
+        _encode_all(report, tokenizer, max_seq_len, drop_long)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+# --------------------------------------------------------------------------------------------
+
+
+class TemplateProblem(ValueError):
+    """The chat template cannot render a conversation, or not in a way the turns can be found."""
+
+
+def use_default_chat_template(tokenizer) -> bool:
+    """Give a tokenizer without a chat template the documented default; True if it was needed."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return True
+
+
+def encode_record(tokenizer, record: Record) -> tuple[list[int], list[bool]]:
+    """Token ids of one example and, per token, whether the loss covers it."""
+    value = record.value
+    eos = tokenizer.eos_token_id
+    if record.schema == "messages":
+        return _encode_messages(tokenizer, value["messages"])
+    if record.schema == "prompt_completion":
+        prompt = _ids(tokenizer, value["prompt"], special=True)
+        completion = _ids(tokenizer, value["completion"]) + [eos]
+        return prompt + completion, [False] * len(prompt) + [True] * len(completion)
+    ids = _ids(tokenizer, value["text"], special=True) + [eos]
+    return ids, [True] * len(ids)
+
+
+def encode_prompt(tokenizer, prompt: str, schema: str | None) -> list[int]:
+    """The ids a trained model should continue from, encoded as its training examples were."""
+    if schema == "messages":
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return _ids(tokenizer, text)
+    return _ids(tokenizer, prompt, special=True)
+
+
+def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
+    # special=True adds what the tokenizer puts around a text by itself (e.g. Mistral's <s>)
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
+
+
+def _encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Render with the chat template, find each assistant turn as the text between the prompt
+    rendered up to it (with the generation prompt) and the conversation rendered through it, and
+    tokenize the pieces separately: the prompt/answer boundary is then a token boundary, exactly
+    as at generation time, when the prompt is tokenized alone."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+
+    def render(turns: list[dict], generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - jinja raises its own errors (e.g. raise_exception)
+            raise TemplateProblem(f"the chat template rejects this conversation: {str(exc).splitlines()[0]}") from exc
+
+    full = render(messages, False)
+    spans, done = [], 0
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(messages[:index], True), render(messages[:index + 1], False)
+        if not (full.startswith(through) and through.startswith(before) and len(before) >= done):
+            raise TemplateProblem("the chat template renders earlier turns differently when later ones follow, "
+                                  "so the assistant's tokens cannot be located; use prompt/completion instead")
+        spans.append((len(before), len(through)))
+        done = len(through)
+    ids: list[int] = []
+    targets: list[bool] = []
+    cursor = 0
+    for start, end in spans + [(len(full), len(full))]:
+        for piece, is_target in ((full[cursor:start], False), (full[start:end], True)):
+            piece_ids = _ids(tokenizer, piece)
+            ids += piece_ids
+            targets += [is_target] * len(piece_ids)
+        cursor = end
+    return ids, targets
+
+
+def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_long: bool) -> None:
+    long_lines, emptied_lines = [], []
+    for record in report.records:
+        try:
+            ids, targets = encode_record(tokenizer, record)
+        except TemplateProblem as exc:
+            report.problems.append(f"line {record.line}: {exc}")
+            continue
+        report.longest = max(report.longest, len(ids))
+        if max_seq_len is not None and len(ids) > max_seq_len:
+            long_lines.append(record.line)
+            if drop_long:
+                continue
+            ids, targets = ids[:max_seq_len], targets[:max_seq_len]
+            if not any(targets[1:]):
+                emptied_lines.append(record.line)
+                continue
+        report.examples.append(Example(record.line, np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool)))
+    report.too_long = len(long_lines)
+    if long_lines:
+        action = ("dropped (--drop-long)" if drop_long else
+                  f"truncated to {max_seq_len} tokens, their ends cut (--drop-long drops them instead)")
+        report.warnings.append(
+            f"{len(long_lines)} of {len(report.records)} examples are longer than max_seq_len {max_seq_len} "
+            f"(longest: {report.longest} tokens; lines {_lines(long_lines)}): {action}")
+    if emptied_lines:
+        report.warnings.append(
+            f"{len(emptied_lines)} truncated examples kept no target token within max_seq_len and were dropped "
+            f"(lines {_lines(emptied_lines)}); raise --max-seq-len to train on them")
+
+
+def _lines(numbers: list[int]) -> str:
+    shown = ", ".join(str(n) for n in numbers[:LINES_IN_WARNING])
+    return shown + (f" and {len(numbers) - LINES_IN_WARNING} more" if len(numbers) > LINES_IN_WARNING else "")
+
+
+def problems_summary(report: JsonlReport) -> str:
+    """The problems of a file in one line, the first PROBLEMS_IN_ERROR of them listed."""
+    listed = "; ".join(report.problems[:PROBLEMS_IN_ERROR])
+    more = len(report.problems) - PROBLEMS_IN_ERROR
+    count = "1 problem" if len(report.problems) == 1 else f"{len(report.problems)} problems"
+    return f"{report.path.name}: {count}: {listed}" + (f"; and {more} more" if more > 0 else "")

@@ -1,0 +1,225 @@
+"""The model of a fine-tuning run: the base (a Hugging Face causal LM, quantized to 4 or 8 bits or
+not), its tokenizer, and the LoRA adapter on top."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptbr.errors import ConfigError, DeviceError, ModelError
+from ptbr.finetune.data import use_default_chat_template
+from ptbr.log import log
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+@dataclass
+class AdaptedModel:
+    model: object  # peft.PeftModel
+    target_modules: list[str]
+    trainable_parameters: int
+    total_parameters: int  # of the base + adapter, counting 4-bit weights as unpacked
+
+
+def check_base(base: str) -> None:
+    """A local base must be a directory with config.json and weights; anything else not on disk
+    must look like a hub id (loading it then needs network)."""
+    path = Path(base).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError("the base model must be a directory", base, "give a Hugging Face model directory")
+        if not (path / "config.json").is_file():
+            raise ModelError("no config.json in the base model directory", base,
+                             "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
+        if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+            raise ModelError("no weights (*.safetensors or pytorch_model*.bin) in the base model directory", base,
+                             "download the complete model, weights included")
+    elif not HUB_ID.match(base):
+        raise ModelError("base model directory not found", base, "give an existing Hugging Face model directory")
+
+
+def load_error(what: str, base: str, exc: Exception) -> ModelError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    local = Path(base).expanduser().exists()
+    fix = ("check that the directory holds a complete Hugging Face model" if local else
+           "give a local model directory (loading a hub id needs network and the model's name)")
+    return ModelError(f"cannot load the {what}: {reason}", base, fix)
+
+
+def load_tokenizer(base: str, trust_remote_code: bool = False):
+    """The base's tokenizer; one without a chat template gets DEFAULT_CHAT_TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    check_base(base)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, hub errors: all mean "cannot load"
+        raise load_error("tokenizer", base, exc) from exc
+    if tokenizer.eos_token_id is None:
+        raise ModelError("the tokenizer has no end-of-sequence (eos) token", base,
+                         "set eos_token in the base's tokenizer_config.json")
+    if use_default_chat_template(tokenizer):
+        log("the tokenizer has no chat template: using ptbr's default (see README, Fine-tuning)")
+    return tokenizer
+
+
+def compute_dtype(precision: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def quantization_config(quant: str, placement):
+    """BitsAndBytesConfig for --quant, after probing that bitsandbytes really quantizes here."""
+    if quant == "none":
+        return None
+    device = placement.device
+    if device.type not in ("cuda", "cpu"):
+        raise DeviceError(f"--quant {quant} needs bitsandbytes, which runs on CUDA and CPU, not {device.type}",
+                          f"--quant {quant}", "use --quant none (or the MLX path on Apple Silicon)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ModelError(f"--quant {quant} needs bitsandbytes, which is not installed", f"--quant {quant}",
+                         "pip install 'ptbr[finetune]', or use --quant none") from exc
+    from transformers import BitsAndBytesConfig
+
+    dtype = compute_dtype(placement.precision)
+    _probe_bitsandbytes(quant, device, dtype)
+    if quant == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _probe_bitsandbytes(quant: str, device, dtype) -> None:
+    """Quantize and multiply one small matrix for real: an unsupported device or build fails here,
+    in one clear line, not deep inside the first training step."""
+    import bitsandbytes
+    import torch
+
+    try:
+        x = torch.linspace(-1, 1, 64 * 64, device=device, dtype=dtype).reshape(64, 64)  # no RNG draw
+        if quant == "4bit":
+            from bitsandbytes.functional import quantize_4bit
+
+            packed, state = quantize_4bit(x, quant_type="nf4", compress_statistics=True)
+            bitsandbytes.matmul_4bit(x[:2], packed.t(), quant_state=state)
+        else:
+            layer = bitsandbytes.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+            layer.weight = bitsandbytes.nn.Int8Params(x.float().cpu(), requires_grad=False, has_fp16_weights=False)
+            layer.to(device)(x[:2])
+    except Exception as exc:  # noqa: BLE001 - whatever bitsandbytes raises means "not here"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DeviceError(f"bitsandbytes {bitsandbytes.__version__} cannot do {quant} on {device}: {reason}",
+                          f"--quant {quant}", "upgrade bitsandbytes (pip install -U bitsandbytes), "
+                          "or use --quant none") from exc
+
+
+def linear_module_names(model) -> list[str]:
+    """Names (last component) of every linear projection, the output layer (lm_head) excepted.
+    bitsandbytes' Linear4bit and Linear8bitLt are torch.nn.Linear subclasses, so quantized bases
+    give the same names."""
+    import torch
+
+    output = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and module is not output and name != "lm_head"})
+
+
+def resolve_target_modules(model, requested: str | None) -> list[str]:
+    available = linear_module_names(model)
+    if requested is None:
+        if not available:
+            raise ModelError("the base model has no linear projections to adapt", type(model).__name__,
+                             "give --target-modules with the names of its projection modules")
+        return available
+    names = [name.strip() for name in requested.split(",") if name.strip()]
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ConfigError(f"no linear module named {', '.join(unknown)} in the base model", "--target-modules",
+                          f"use some of: {', '.join(available)}")
+    return names
+
+
+def load_model(settings, placement) -> AdaptedModel:
+    """The base, quantized per --quant, with a fresh LoRA adapter (its initialisation seeded by
+    --seed without touching the global RNG)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    check_base(settings.base)
+    refuse_prequantized(settings.base)
+    quantization = quantization_config(settings.quant, placement)
+    options = {"dtype": compute_dtype(placement.precision), "trust_remote_code": settings.trust_remote_code}
+    if quantization is not None:
+        options["quantization_config"] = quantization
+        options["device_map"] = {"": placement.device}
+    # a local base by its absolute path: adapter_config.json records it for loading without ptbr
+    source = str(Path(settings.base).expanduser().resolve()) if Path(settings.base).expanduser().exists() else settings.base
+    try:
+        base = AutoModelForCausalLM.from_pretrained(source, **options)
+    except Exception as exc:  # noqa: BLE001
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise DeviceError("out of memory while loading the base model", settings.base,
+                              "use --quant 4bit, or a GPU with more memory") from exc
+        raise load_error("base model", settings.base, exc) from exc
+    if quantization is None:
+        base = base.to(placement.device)
+    else:
+        keep_4bit_layout(base)
+    base.config.use_cache = False  # the KV cache is for generation; training never reuses it
+    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if quantization is not None:
+        # norms, embeddings and lm_head to fp32 for stable training; the 4/8-bit weights stay packed
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=settings.gradient_checkpointing,
+                                               **checkpointing)
+    elif settings.gradient_checkpointing:
+        base.gradient_checkpointing_enable(**checkpointing)
+
+    targets = resolve_target_modules(base, settings.target_modules)
+    lora = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft asks transformers a deprecated question (is_gradient_checkpointing): not the user's concern
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        torch.manual_seed(settings.seed)
+        model = get_peft_model(base, lora)
+    trainable, total = model.get_nb_trainable_parameters()
+    log(f"LoRA r={settings.lora_r} alpha={settings.lora_alpha} on {', '.join(targets)}: "
+        f"{trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.3f}%)")
+    return AdaptedModel(model, targets, trainable, total)
+
+
+def keep_4bit_layout(model) -> int:
+    """Stop bitsandbytes (0.50) from repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, the first time a Linear4bit runs in eval mode without gradients, it
+    rewrites its weight in place into another layout with the block scales rounded to bf16; taking
+    a state dict (every checkpoint and adapter save) converts it back, re-quantizing the scales. The
+    base weights would then change at each evaluation: training after it, an exact resume and
+    the validation loss all drift. The flag is per layer (set in Linear4bit.__init__), so this
+    touches this model only. Returns the number of layers switched."""
+    switched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            switched += 1
+    return switched
+
+
+def refuse_prequantized(base: str) -> None:
+    config = Path(base).expanduser() / "config.json"
+    if config.is_file():
+        try:
+            quantized = "quantization_config" in json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # transformers will report the broken file itself
+        if quantized:
+            raise ModelError("the base model is saved already quantized", base,
+                             "give the original (unquantized) model; ptbr quantizes it when loading (--quant)")

@@ -1,0 +1,215 @@
+"""Chat/instruction JSONL: checking every line, encoding with loss masks, and the batch source."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
+from ptbr.finetune.data import (
+    DEFAULT_CHAT_TEMPLATE,
+    encode_prompt,
+    inspect_jsonl,
+    use_default_chat_template,
+)
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CONVERSATION = [
+    {"role": "system", "content": "Você responde sobre futebol."},
+    {"role": "user", "content": "Qual foi a melhor classificação do Farense?"},
+    {"role": "assistant", "content": "O quinto lugar, em 1994-95."},
+    {"role": "user", "content": "E onde joga?"},
+    {"role": "assistant", "content": "No Estádio de São Luís, em Faro."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE tokenizer trained on the fly, as transformers sees it; bos = eos, as
+    `ptbr prepare` writes them."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ptbr.data.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+
+    texts = [m["content"] for m in CONVERSATION] * 3 + ["<|user|>\n<|assistant|>\n<|system|>\n"] * 3
+    tok = train_tokenizer(texts, vocab_size=320, min_frequency=1)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return fast
+
+
+@pytest.fixture
+def tokenizer_default(tokenizer):
+    tokenizer.chat_template = None
+    assert use_default_chat_template(tokenizer)
+    return tokenizer
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
+    return str(path)
+
+
+def targets_and_context(tokenizer, example) -> tuple[str, str]:
+    """The text the loss covers, and the rest (the first token is always context: nothing predicts it)."""
+    inputs, labels = example.inputs_and_labels()
+    assert len(inputs) == len(labels) == len(example.ids) - 1
+    assert np.array_equal(inputs, example.ids[:-1])
+    context = np.concatenate([example.ids[:1], example.ids[1:][labels == -100]])
+    return tokenizer.decode(labels[labels != -100]), tokenizer.decode(context)
+
+
+def test_default_template_renders_as_documented(tokenizer_default):
+    text = tokenizer_default.apply_chat_template(CONVERSATION[:3], tokenize=False)
+    assert text == ("<|endoftext|><|system|>\nVocê responde sobre futebol.\n"
+                    "<|user|>\nQual foi a melhor classificação do Farense?\n"
+                    "<|assistant|>\nO quinto lugar, em 1994-95.<|endoftext|>")
+    prompt = tokenizer_default.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|user|>\nQual foi a melhor classificação do Farense?\n<|assistant|>\n")
+    assert tokenizer_default.chat_template == DEFAULT_CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("template", ["default", "chatml"])
+def test_only_assistant_tokens_are_targets(tmp_path, tokenizer, template):
+    tokenizer.chat_template = CHATML if template == "chatml" else DEFAULT_CHAT_TEMPLATE
+    end = "<|im_end|>\n" if template == "chatml" else "<|endoftext|>"
+    report = inspect_jsonl(write_jsonl(tmp_path / "t.jsonl", [{"messages": CONVERSATION}]), tokenizer, 1024)
+    assert report.ok and len(report.examples) == 1
+    example = report.examples[0]
+    target, context = targets_and_context(tokenizer, example)
+    # both answers, each with its end-of-turn token, and nothing else
+    assert target == f"O quinto lugar, em 1994-95.{end}No Estádio de São Luís, em Faro.{end}"
+    for message in CONVERSATION:
+        if message["role"] != "assistant":
+            assert message["content"] in context
+    # the whole sequence decodes to the template's rendering: nothing lost at the pieces' seams
+    assert tokenizer.decode(example.ids) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    # at generation time the prompt is exactly the tokens that precede the answer in training
+    single = inspect_jsonl(write_jsonl(tmp_path / "u.jsonl", [{"messages": CONVERSATION[1:3]}]), tokenizer, 1024)
+    ids, targets = single.examples[0].ids, single.examples[0].targets
+    assert encode_prompt(tokenizer, CONVERSATION[1]["content"], "messages") == ids[:int(np.argmax(targets))].tolist()
+
+
+def test_prompt_completion_and_text_masks(tmp_path, tokenizer_default):
+    tok = tokenizer_default
+    pc = inspect_jsonl(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Pergunta: quem?", "completion": " O Farense."}]),
+                       tok, 1024)
+    target, context = targets_and_context(tok, pc.examples[0])
+    assert target == " O Farense.<|endoftext|>"
+    assert context == "Pergunta: quem?"
+    text = inspect_jsonl(write_jsonl(tmp_path / "x.jsonl", [{"text": "O Farense joga em Faro."}]), tok, 1024)
+    target, context = targets_and_context(tok, text.examples[0])
+    assert context + target == "O Farense joga em Faro.<|endoftext|>"
+    assert len(text.examples[0].ids) - 1 == int((text.examples[0].inputs_and_labels()[1] != -100).sum())
+    assert pc.schema == "prompt_completion" and text.schema == "text"
+
+
+def test_every_problem_is_reported_with_its_line(tmp_path):
+    good = {"messages": CONVERSATION[1:3]}
+    path = tmp_path / "bad.jsonl"
+    lines = [
+        json.dumps(good),  # 1 ok
+        '{"messages": [}',  # 2 invalid JSON
+        json.dumps({"question": "x", "answer": "y"}),  # 3 unknown schema
+        json.dumps({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "a"}]}),  # 4
+        json.dumps({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}),  # 5
+        json.dumps({"prompt": "p"}),  # 6 no completion
+        json.dumps({"text": "um texto"}),  # 7 another format in the same file
+        "",  # 8 blank: allowed
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}),  # 9
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with open(path, "ab") as f:
+        f.write(b'{"text": "caf\xe9"}\n')  # 10: Latin-1, not UTF-8
+    report = inspect_jsonl(path)
+    lines_with_problems = sorted({int(p.split(":")[0].split()[1]) for p in report.problems})
+    assert lines_with_problems == [2, 3, 4, 5, 6, 7, 9, 10], report.problems
+    text = "\n".join(report.problems)
+    for expected in ("line 2: invalid JSON", "line 3: unknown schema", "line 4: message 1 (user) has empty content",
+                     "line 5: message 1: role 'assistant' where 'user' was expected",
+                     "line 5: the conversation ends with 'user'", "line 6: missing \"completion\"",
+                     "line 7: a 'text' example in a file of 'messages' examples", "line 9: message 2 has role 'bot'",
+                     "line 10: not valid UTF-8"):
+        assert expected in text, expected
+    assert len(report.records) == 1
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n", encoding="utf-8")
+    assert inspect_jsonl(empty).problems == ["the file is empty"]
+
+
+def test_long_examples_are_truncated_or_dropped_with_a_count(tmp_path, tokenizer_default):
+    rows = [{"prompt": "Qual? " * n, "completion": " Sim."} for n in (1, 2, 40, 60)]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    truncated = inspect_jsonl(path, tokenizer_default, max_seq_len=30)
+    assert len(truncated.examples) == 2  # the two long prompts keep no completion token: dropped, and said so
+    assert truncated.too_long == 2
+    assert "2 of 4 examples are longer than max_seq_len 30" in truncated.warnings[0]
+    assert "lines 3, 4" in truncated.warnings[0] and "truncated" in truncated.warnings[0]
+    assert "2 truncated examples kept no target token" in truncated.warnings[1]
+    answers = inspect_jsonl(write_jsonl(tmp_path / "a.jsonl", [{"prompt": "Q", "completion": " sim" * 40}]),
+                            tokenizer_default, max_seq_len=12)
+    assert len(answers.examples[0].ids) == 12 and answers.examples[0].targets[-1]  # truncated, kept
+    dropped = inspect_jsonl(path, tokenizer_default, max_seq_len=30, drop_long=True)
+    assert len(dropped.examples) == 2 and "dropped (--drop-long)" in dropped.warnings[0]
+
+
+def examples_of(lengths):
+    from ptbr.finetune.data import Example
+
+    return [Example(i + 1, np.arange(1, n + 1, dtype=np.int64), np.ones(n, dtype=bool)) for i, n in enumerate(lengths)]
+
+
+def test_batches_cover_each_epoch_once_and_keep_the_remainder():
+    # 11 examples, ids offset by 100 * example so that every row tells which example it is
+    from ptbr.finetune.data import Example
+
+    examples = [Example(i + 1, 100 * i + np.arange(3 + i % 5), np.ones(3 + i % 5, dtype=bool)) for i in range(11)]
+    source = ChatBatches(examples, batch_size=2, grad_accum=4, seed=7, pad_id=0)
+    # ceil(11 / 2) = 6 micro-batches, ceil(6 / 4) = 2 steps: 4 micro-batches, then the remaining 2
+    assert (source.micro_batches_per_epoch, source.steps_per_epoch) == (6, 2)
+    for epoch in range(3):
+        steps = [source.cycle(epoch * 2 + k) for k in range(2)]
+        assert [len(s) for s in steps] == [4, 2]
+        assert len(steps[1][-1]["input_ids"]) == 1  # the short last micro-batch is applied, not dropped
+        rows = [(int(b["input_ids"][i, 0]) // 100, int(b["attention_mask"][i].sum()))
+                for s in steps for b in s for i in range(len(b["input_ids"]))]
+        assert sorted(rows) == [(i, 2 + i % 5) for i in range(11)]  # every example exactly once, unpadded length
+    # a pure function of (seed, step): a fresh source gives the same batches; the next epoch another order
+    again = ChatBatches(examples, batch_size=2, grad_accum=4, seed=7, pad_id=0)
+    for a, b in zip(source.cycle(2), again.cycle(2), strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(source.order(0), source.order(1))
+
+
+def test_collate_pads_right_and_ignores_padding():
+    batch = collate(examples_of([4, 2]), pad_id=9)
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [1, 9, 9]]
+    assert batch["labels"].tolist() == [[2, 3, 4], [2, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert [len(b["input_ids"]) for b in fixed_batches(examples_of([2] * 5), 2, 0)] == [2, 2, 1]
+    assert len(fixed_batches(examples_of([2] * 5), 2, 0, max_batches=2)) == 2
+
+
+def test_validate_data_cli(tmp_path, capsys):
+    from ptbr.cli import main
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATION}, "{oops", {"text": ""}])
+    assert main(["validate-data", bad]) == 3
+    out, err = capsys.readouterr()
+    assert "line 2: invalid JSON" in out and "line 3: \"text\" is empty" in out
+    assert err.startswith("error: 3 problems found")  # line 3 is also a text example among messages
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "train.jsonl", [{"messages": CONVERSATION}] * 3)
+    write_jsonl(data / "valid.jsonl", [{"messages": CONVERSATION[1:3]}])
+    assert main(["validate-data", str(data)]) == 0
+    out, _ = capsys.readouterr()
+    assert "train.jsonl: 3 valid examples (messages)" in out and "valid.jsonl: 1 valid examples" in out

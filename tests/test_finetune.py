@@ -1,0 +1,308 @@
+"""Fine-tuning end to end on a tiny Mistral-architecture model saved to a temp dir, with a tokenizer
+trained on the fly: exact numbers (trainable parameters, first loss), loss masks, QLoRA 4-bit on
+CPU, exact resume, the adapter reloaded in plain PEFT, merge, generate, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TEAMS = ["Farense", "Benfica", "Porto", "Sporting", "Braga", "Guimarães", "Boavista", "Marítimo"]
+COLORS = ["azul", "verde", "vermelho", "branco", "preto", "amarelo", "roxo", "laranja"]
+SYSTEM = "Responda em português."
+# the tiny base: Mistral architecture (GQA, RoPE, SwiGLU)
+HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 64, 2, 4, 2, 128
+
+
+def conversation(i: int) -> dict:
+    """A learnable pattern: the answer repeats the question's number and team, and the colour
+    follows from the team."""
+    team = TEAMS[i % 8]
+    return {"messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Qual é o número {i} do {team}?"},
+        {"role": "assistant", "content": f"O número {i} do {team} joga de {COLORS[i % 8]}."},
+    ]}
+
+
+@dataclass
+class Toy:
+    base: Path
+    data: Path
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> Toy:
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+
+    from ptbr.data.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+
+    root = tmp_path_factory.mktemp("toy")
+    rows = [conversation(i) for i in range(48)]
+    data = root / "data"
+    data.mkdir()
+    for name, part in (("train.jsonl", rows[:40]), ("valid.jsonl", rows[40:])):
+        with open(data / name, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in part)
+
+    base = root / "base"
+    texts = [m["content"] for r in rows for m in r["messages"]] + ["<|system|>\n<|user|>\n<|assistant|>\n"] * 4
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(texts, vocab_size=384, min_frequency=1),
+                                        eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    tokenizer.save_pretrained(base)
+    # initializer_range 0.2, not 0.02: LoRA leaves the output layer frozen, and a random one with
+    # tiny weights caps how confident any prediction can get, so nothing could learn the toy set
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, intermediate_size=INTERMEDIATE,
+                           max_position_embeddings=256, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        MistralForCausalLM(config).save_pretrained(base)
+    return Toy(base, data)
+
+
+@pytest.fixture(scope="module")
+def trained(toy, tmp_path_factory) -> Path:
+    """`ptbr finetune ... --merge` through the real CLI, in-process: LoRA r=8, unquantized."""
+    from ptbr.cli import main
+
+    output = tmp_path_factory.mktemp("run") / "out"
+    code = main(["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(output),
+                 "--quant", "none", "--lora-r", "8", "--lora-alpha", "16", "--batch-size", "4", "--grad-accum", "1",
+                 "--max-steps", "3", "--learning-rate", "1e-2", "--eval-every", "0", "--merge"])
+    assert code == 0
+    return output
+
+
+def hf_loss(model, batch: dict):
+    """Transformers' own loss for a ptbr batch (whose labels are already shifted): append one
+    (masked) input position and prepend one ignored label, so that transformers' internal shift
+    pairs position t with labels[t] again."""
+    import torch
+
+    ids = torch.as_tensor(batch["input_ids"])
+    labels = torch.as_tensor(batch["labels"])
+    mask = torch.as_tensor(batch["attention_mask"])
+    column = torch.zeros((len(ids), 1), dtype=torch.long)
+    with torch.no_grad():
+        out = model(input_ids=torch.cat([ids, column], 1), attention_mask=torch.cat([mask, column], 1),
+                    labels=torch.cat([column - 100, labels], 1))
+    return out.loss.item(), int((labels != -100).sum())
+
+
+def mean_loss(model, batches: list[dict]) -> float:
+    """Mean loss per target token over batches, computed by transformers."""
+    model.eval()
+    pairs = [hf_loss(model, b) for b in batches]
+    return sum(loss * n for loss, n in pairs) / sum(n for _, n in pairs)
+
+
+def logits_of(model, batch: dict):
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(batch["input_ids"]),
+                     attention_mask=torch.as_tensor(batch["attention_mask"])).logits
+
+
+def settings(toy: Toy, output: Path, **overrides):
+    from ptbr.config import FinetuneConfig
+
+    values = dict(base=str(toy.base), data=str(toy.data), output=str(output), quant="none", lora_r=8,
+                  lora_alpha=16, batch_size=8, learning_rate=1e-2, resume="auto")
+    return FinetuneConfig(**(values | overrides))
+
+
+def test_trainable_parameters_first_loss_and_masks(toy, trained):
+    from transformers import AutoModelForCausalLM
+
+    from ptbr.finetune.batches import ChatBatches
+    from ptbr.finetune.model import load_tokenizer
+    from ptbr.finetune.run import load_data
+
+    summary = json.loads((trained / "training_summary.json").read_text())
+    # LoRA adds r * (in + out) per adapted projection: q, o (h -> h); k, v (h -> kv); gate, up (h -> i); down (i -> h)
+    r, h, kv, i = 8, HIDDEN, KV_HEADS * HIDDEN // HEADS, INTERMEDIATE
+    per_layer = r * (2 * (h + h) + 2 * (h + kv) + 2 * (h + i) + (i + h))
+    assert summary["trainable_parameters"] == LAYERS * per_layer == 16384
+    assert summary["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert summary["steps"] == 3 and summary["train_examples"] == 40
+
+    # the same BatchSource, rebuilt from the public pieces: its first micro-batch, given to the
+    # base model (LoRA's B starts at zero), gives transformers' loss = ptbr's first logged loss
+    config = settings(toy, trained, batch_size=4)
+    tokenizer = load_tokenizer(config.base)
+    train, _ = load_data(config, tokenizer)
+    source = ChatBatches(train.examples, 4, 1, config.seed, tokenizer.pad_token_id)
+    [batch] = source.cycle(0)
+    first = json.loads((trained / "metrics.jsonl").read_text().splitlines()[0])
+    base = AutoModelForCausalLM.from_pretrained(toy.base)
+    expected, targets = hf_loss(base, batch)
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
+    assert summary["first_loss"] == first["loss"]
+
+    # only the assistant's answer (and its end-of-turn token) is trained on
+    for row in range(len(batch["input_ids"])):
+        labels, ids = batch["labels"][row], batch["input_ids"][row]
+        target = tokenizer.decode(labels[labels != -100])
+        assert target.startswith("O número ") and target.endswith(".<|endoftext|>"), target
+        context = tokenizer.decode(ids[(labels == -100) & (batch["attention_mask"][row] == 1)])
+        assert SYSTEM in context and "<|user|>\nQual é o número" in context and "joga de" not in context
+    assert targets == sum(int((b != -100).sum()) for b in batch["labels"])
+
+
+def test_merge_gives_the_adapted_model(toy, trained, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ptbr.cli import main
+
+    batch = {"input_ids": [[5, 17, 42, 99, 7]], "attention_mask": [[1] * 5]}
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy.base), str(trained / "adapters"))
+    merged = AutoModelForCausalLM.from_pretrained(trained / "merged")  # written by --merge
+    base = AutoModelForCausalLM.from_pretrained(toy.base)
+    assert torch.allclose(logits_of(merged, batch), logits_of(adapted, batch), atol=1e-5)
+    assert not torch.allclose(logits_of(base, batch), logits_of(adapted, batch), atol=1e-2)  # it did learn
+    # `ptbr merge` writes the same weights
+    assert main(["merge", "--base", str(toy.base), "--adapter", str(trained / "adapters"),
+                 "--output", str(tmp_path / "m")]) == 0
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").state_dict()
+    assert all(torch.equal(t, again[k]) for k, t in merged.state_dict().items())
+    assert (tmp_path / "m" / "chat_template.jinja").is_file()  # the template travels with the model
+
+
+def test_generate_with_the_adapter_answers_in_the_chat_format(toy, trained, capsys):
+    from ptbr.cli import main
+    from ptbr.finetune.adapter import read_adapter_meta
+
+    assert read_adapter_meta(trained / "adapters")["format"] == "messages"
+    code = main(["generate", "--model", str(toy.base), "--adapter", str(trained / "adapters"),
+                 "Qual é o número 3 do Porto?", "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.strip() and "Qual é o número 3" not in out  # the answer alone, not the prompt continued
+
+
+@pytest.mark.slow
+def test_qlora_4bit_on_cpu_learns_and_the_adapter_reloads_in_peft(toy, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from ptbr.finetune.run import run_finetune
+
+    # evaluation only at the end, so that OUTPUT/adapters holds the model as it is after the last step
+    result = run_finetune(settings(toy, tmp_path / "out", quant="4bit", epochs=8, eval_every=0))
+    summary = result.summary
+    assert summary["quant"] == "4bit" and summary["steps"] == 40  # 8 epochs x ceil(40 / 8)
+    assert summary["best_step"] == 40 and summary["adapter_step"] == 40
+    assert summary["trainable_parameters"] == 16384
+
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(toy.base, quantization_config=nf4, dtype=torch.float32)
+    assert type(base.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    for module in base.modules():
+        # as ptbr trains (ptbr.finetune.model.keep_4bit_layout): no repacking into bitsandbytes' CPU
+        # inference layout, whose bf16 block scales would move the logits by ~1e-3
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    before = mean_loss(base, result.eval_batches)
+    reloaded = PeftModel.from_pretrained(base, str(tmp_path / "out" / "adapters"))  # plain PEFT, no ptbr
+    after = mean_loss(reloaded, result.eval_batches)
+    assert after == pytest.approx(summary["best_val_loss"], rel=1e-5)  # what ptbr measured, reproduced
+    assert after < 0.5 * before, (before, after)  # validation loss fell clearly
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert all(loss == loss for loss in losses) and sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    for batch in result.eval_batches:
+        assert torch.allclose(logits_of(reloaded, batch), logits_of(result.model, batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["none", "4bit"])
+def test_resume_is_exact(toy, tmp_path, monkeypatch, quant):
+    import torch
+    from safetensors.torch import load_file
+
+    from ptbr.finetune.run import run_finetune
+    from ptbr.train.step import TorchStep
+
+    # batch 8 x grad_accum 2 over 40 examples: steps of 2, 2, 1 micro-batches per epoch, so 4 steps
+    # cross an epoch boundary after a short step; LoRA dropout is on (its RNG must resume too)
+    def run(name: str):
+        return run_finetune(settings(toy, tmp_path / name, grad_accum=2, max_steps=4, save_every=2, eval_every=2,
+                                     lora_dropout=0.1, quant=quant))
+
+    straight = run("straight")
+    assert straight.source.steps_per_epoch == 3 and [len(straight.source.cycle(s)) for s in range(4)] == [2, 2, 1, 2]
+
+    calls = {"n": 0}
+    original = TorchStep.train_step
+
+    def crash_on_third_step(self, micro_batches, lr):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash")
+        return original(self, micro_batches, lr)
+
+    monkeypatch.setattr(TorchStep, "train_step", crash_on_third_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run("resumed")
+    monkeypatch.setattr(TorchStep, "train_step", original)
+    resumed = run("resumed")  # --resume auto: from checkpoints/step_000002
+    assert json.loads((tmp_path / "resumed" / "run_config.json").read_text())["resumed_from"].endswith("step_000002")
+
+    for path in ("checkpoints/step_000004/adapter_model.safetensors", "adapters/adapter_model.safetensors"):
+        a, b = load_file(tmp_path / "straight" / path), load_file(tmp_path / "resumed" / path)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), path
+    rows = [[json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("straight", "resumed")]
+    assert [(r["step"], r["loss"], r["val_loss"]) for r in rows[0]] == [(r["step"], r["loss"], r["val_loss"])
+                                                                         for r in rows[1]]
+    assert resumed.summary["best_val_loss"] == straight.summary["best_val_loss"]
+
+
+def test_errors_are_one_line_with_their_exit_codes(toy, trained, tmp_path, capsys):
+    from ptbr.cli import main
+
+    def error_of(*args: str) -> tuple[int, str]:
+        code = main(list(args))
+        err = capsys.readouterr().err.strip().splitlines()
+        return code, err[-1] if err else ""
+
+    code, err = error_of("finetune", "--lora-r", "0")
+    assert code == 2 and "base is required" in err and "data is required" in err and "lora_r must be" in err
+
+    no_config = tmp_path / "empty_model"
+    no_config.mkdir()
+    code, err = error_of("finetune", "--base", str(no_config), "--data", str(toy.data), "--output", str(tmp_path / "o"))
+    assert code == 4 and "no config.json" in err
+    (no_config / "config.json").write_text((toy.base / "config.json").read_text())
+    code, err = error_of("finetune", "--base", str(no_config), "--data", str(toy.data), "--output", str(tmp_path / "o"))
+    assert code == 4 and "no weights" in err
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "train.jsonl").write_text('{"messages": []}\n{"text": "ok"}\nnot json\n', encoding="utf-8")
+    code, err = error_of("finetune", "--base", str(toy.base), "--data", str(bad), "--output", str(tmp_path / "o"))
+    assert code == 3 and "line 1:" in err and "line 2:" in err and "line 3: invalid JSON" in err
+
+    code, err = error_of("finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(tmp_path / "o"),
+                         "--quant", "none", "--target-modules", "q_proj,qkv")
+    assert code == 2 and "no linear module named qkv" in err and "v_proj" in err
+
+    # resuming a run with other adapter shapes would silently be another run
+    code, err = error_of("finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(trained),
+                         "--quant", "none", "--lora-r", "4", "--lora-alpha", "16", "--batch-size", "4",
+                         "--max-steps", "3")
+    assert code == 2 and "lora_r 8 -> 4" in err
+
+    code, err = error_of("merge", "--base", str(toy.base), "--adapter", str(tmp_path), "--output", str(tmp_path / "m"))
+    assert code == 4 and "no adapter_config.json" in err

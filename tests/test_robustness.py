@@ -66,8 +66,18 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
     unknown_keys.write_text("batch_size: 2\nlearnig_rate: 0.1\n")
     blocker = tmp / "a_file"
     blocker.write_text("x")
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "not_json.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    (tmp / "schema.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    (tmp / "latin1.jsonl").write_bytes('{"text": "ação"}\n'.encode("latin-1"))
+    (tmp / "roles.jsonl").write_text('{"messages": [{"role": "assistant", "content": "oi"}, '
+                                     '{"role": "user", "content": "tudo bem?"}]}\n')
+    (tmp / "no_config").mkdir()
+    (tmp / "no_weights").mkdir()
+    (tmp / "no_weights" / "config.json").write_text('{"model_type": "mistral"}')
     tok = str(dataset / "tokenizer.json")
     out = str(tmp / "out")
+    good = str(tmp / "not_json.jsonl")
     return {
         "missing data dir": (["train", "--data", str(tmp / "nope"), "--output", out], 3, "data directory not found"),
         "empty data dir": (["train", "--data", str(empty), "--output", out], 3, "no train.bin"),
@@ -90,13 +100,23 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
         "config with unknown keys": (["train", "--config", str(unknown_keys), "--output", out], 2,
                                      "unknown key 'learnig_rate'"),
         "prepare on nothing": (["prepare", "--input", str(tmp / "none.txt"), "--output", out], 3, "input not found"),
+        "jsonl empty": (["validate-data", str(tmp / "empty.jsonl")], 3, "1 problem found"),
+        "jsonl not json": (["validate-data", str(tmp / "not_json.jsonl")], 3, "1 problem found"),
+        "jsonl wrong schema": (["validate-data", str(tmp / "schema.jsonl")], 3, "1 problem found"),
+        "jsonl not utf-8": (["validate-data", str(tmp / "latin1.jsonl")], 3, "1 problem found"),
+        "jsonl roles out of order": (["validate-data", str(tmp / "roles.jsonl")], 3, "problems found"),
+        "base without config": (["finetune", "--base", str(tmp / "no_config"), "--data", good, "--output", out], 4,
+                                "no config.json in the base model directory"),
+        "base without weights": (["finetune", "--base", str(tmp / "no_weights"), "--data", good, "--output", out], 4,
+                                 "no weights"),
     }
 
 
 CASES = ["missing data dir", "empty data dir", "odd byte count", "shorter than seq_len + 1", "missing tokenizer",
          "corrupt tokenizer", "seq_len above max positions", "batch size 0", "grad accum negative", "steps 0",
          "learning rate 0", "learning rate nan", "unknown preset", "output cannot be created",
-         "config with unknown keys", "prepare on nothing"]
+         "config with unknown keys", "prepare on nothing", "jsonl empty", "jsonl not json", "jsonl wrong schema",
+         "jsonl not utf-8", "jsonl roles out of order", "base without config", "base without weights"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -107,6 +127,17 @@ def test_bad_input_is_one_line_with_a_documented_code(case, tmp_path, dataset_di
     line = last_line(run.stderr)
     assert line.startswith("error: ") and fragment in line and "; fix: " in line
     assert "Traceback" not in run.stderr
+
+
+def test_validate_data_lists_every_problem_with_its_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "assistant", "content": "oi"}, {"role": "user", "content": "x"}]}\n'
+                   'not json\n{"foo": 1}\n{"prompt": "", "completion": "b"}\n')
+    run = run_cli("validate-data", str(bad))
+    assert run.returncode == 3
+    for line in (1, 2, 3):
+        assert f"line {line}: " in run.stdout
+    assert "invalid JSON" in run.stdout and "unknown schema" in run.stdout
 
 
 # ---- one run per output directory ------------------------------------------------------------

@@ -161,6 +161,8 @@ def test_run_directory_layout_and_first_step_log(tmp_path, capsys):
         p.name for p in checkpoint.iterdir()}
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["loop"]["step"] == 6 and state["loop"]["tokens_seen"] == 6 * 4 * 32
+    assert state["sampler"] == {"position": 6, "seed": 1337, "batch_size": 4, "grad_accum": 1}
+    assert state["scheduler"]["step"] == 6 and state["scheduler"]["warmup_steps"] == 2
     for name in ("optimizer.pt", "scaler.pt", "rng.pt"):
         torch.load(checkpoint / name, weights_only=True)  # loadable without unpickling code
     config = json.loads((out / "run_config.json").read_text())

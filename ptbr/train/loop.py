@@ -158,7 +158,7 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
                 last = state.step == settings.max_steps
                 if _due(state.step, settings.save_every) or last or stop.signal_name:
                     beat(f"saving the checkpoint of step {state.step}")
-                    path = save_checkpoint(run_dir, state.step, backend, {"loop": dataclasses.asdict(state)},
+                    path = save_checkpoint(run_dir, state.step, backend, _trainer_state(state, settings, lr),
                                            settings.keep_last)
                     callbacks.on_checkpoint(state, path)
                     if stop.signal_name:
@@ -167,6 +167,19 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
     finally:
         progress.close()
     return state
+
+
+def _trainer_state(state: LoopState, settings, lr: float) -> dict:
+    """What a checkpoint records besides the backend's states. The schedule and the batch source
+    are pure functions of the step, so the step is their whole state; the rest is for readers."""
+    return {
+        "loop": dataclasses.asdict(state),
+        "scheduler": {"kind": "linear warmup, cosine decay", "step": state.step, "last_lr": lr,
+                      "peak_lr": settings.learning_rate, "warmup_steps": settings.warmup_steps,
+                      "max_steps": settings.max_steps, "min_lr_ratio": settings.min_lr_ratio},
+        "sampler": {"position": state.step, "seed": settings.seed, "batch_size": settings.batch_size,
+                    "grad_accum": settings.grad_accum},
+    }
 
 
 def _due(step: int, every: int) -> bool:

@@ -41,3 +41,25 @@ def smoke(session: nox.Session) -> None:
     """A fresh environment, then `ptbr smoke`: one step of `tiny` on the bundled sample."""
     install_ptbr(session, "dev")
     session.run("ptbr", "smoke", *session.posargs)
+
+
+# --- container images (docker/build.py holds the logic; see docker/README.md) -------------------
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Build ptbr-cpu from this checkout (`-- cuda`: ptbr-cuda; `-- --no-cache`: from scratch)."""
+    session.run("python", "docker/build.py", "build", *session.posargs)
+
+
+@nox.session(default=False)
+def image_smoke(session: nox.Session) -> None:
+    """`ptbr smoke` inside the image that `nox -s build` made (`-- cuda` for ptbr-cuda)."""
+    session.run("python", "docker/build.py", "smoke", *session.posargs)
+
+
+@nox.session(default=False)
+def locks(session: nox.Session) -> None:
+    """Regenerate the hash-locked requirements in locks/ from pyproject.toml (uv pip compile)."""
+    session.install("uv==0.13.9")
+    session.run("python", "docker/build.py", "locks", *session.posargs)

@@ -43,6 +43,24 @@ def smoke(session: nox.Session) -> None:
     session.run("ptbr", "smoke", *session.posargs)
 
 
+@nox.session
+def preflight(session: nox.Session) -> None:
+    """A fresh environment, then `ptbr preflight --mode pretrain` on the bundled sample.
+
+    Exits 10 if a check fails; `-- FLAGS` plans another run, e.g. `-- --model-size 85m --seq-len 1024`."""
+    install_ptbr(session, "dev")
+    session.run("ptbr", "preflight", "--mode", "pretrain", "--output", "runs/preflight", *session.posargs)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """The memory model's predicted peaks against measured ones (the README's accuracy table).
+
+    The CPU grid takes about 10 minutes on 2 cores; on a GPU machine with a CUDA torch, `-- --device cuda`."""
+    install_ptbr(session, "dev")
+    session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
+
+
 # --- container images (docker/build.py holds the logic; see docker/README.md) -------------------
 
 

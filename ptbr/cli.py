@@ -19,6 +19,7 @@ EXIT_CODES = """exit codes:
   2  bad settings       3  bad data            4  model/tokenizer/checkpoint
   5  device/memory      6  output directory    7  training diverged (NaN/inf)
   8  hang (see hang_report.txt)                9  smoke test failed
+  10 preflight found a failed check (see OUTPUT/preflight_report.json)
   130 stopped by a signal (checkpoint saved; run again to resume)"""
 
 # command -> (module:function, one-line help); modules load only when their command runs
@@ -32,6 +33,7 @@ COMMANDS = {
     "finetune": ("ptbr.commands.finetune:main", "LoRA/QLoRA fine-tuning of a Hugging Face model on chat/instruction JSONL"),
     "validate-data": ("ptbr.commands.validate_data:main", "check chat/instruction JSONL, every problem with its line"),
     "merge": ("ptbr.commands.merge:main", "merge a LoRA adapter into its base: a full model that loads without peft"),
+    "preflight": ("ptbr.commands.preflight:main", "check hardware, packages, data, model and disk; recommend a config that fits"),
 }
 
 
@@ -126,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the merged weights (default: auto, the base's own)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
 
+    p = sub.add_parser("preflight", help=COMMANDS["preflight"][1], description=COMMANDS["preflight"][1])
+    from ptbr.preflight.settings import add_preflight_flags  # no torch: --help stays fast
 
+    add_preflight_flags(p)
     return parser
 
 

@@ -59,6 +59,12 @@ class TrainingDiverged(PtbrError):
     exit_code = 7
 
 
+class PreflightFailed(PtbrError):
+    """`ptbr preflight` found at least one failed check (details in preflight_report.json)."""
+
+    exit_code = 10
+
+
 class SmokeFailed(PtbrError):
     """`ptbr smoke` found a problem."""
 

@@ -1,8 +1,25 @@
-"""The memory model: predicted peak training memory for a config, per precision (no torch import).
+"""The memory model: the predicted peak of a training step, per precision and quantization (no torch).
 
-peak = weights + gradients + optimizer state + activations + logits (+ a fixed runtime overhead).
-Mixed precision (fp16/bf16 autocast) keeps fp32 master weights, fp32 gradients and fp32 AdamW
-state; autocast casts weights on the fly and stores most activations in 16 bits.
+What lives on the device during a step of a Llama-style decoder, in bytes:
+
+- weights: fp32 master weights for full training (4 B/param); for LoRA/QLoRA the frozen base in
+  16 bits, NF4 (bitsandbytes: 0.5 B/param + block constants) or MLX 4-bit, plus fp32 adapters.
+- gradients and AdamW state: 4 + 8 B per trainable parameter (fp32).
+- activations: what autograd saves for the backward pass, counted tensor by tensor from the
+  Hugging Face Llama code (see `_layer_inventory`); with gradient checkpointing only each layer's
+  input is kept and one layer at a time is recomputed.
+- autocast weight copies: under fp16/bf16 autocast every Linear weight gets a 16-bit copy (2 B/param),
+  cached until the forward pass ends and, without gradient checkpointing, held by the backward pass.
+- logits: the loss upcasts the (B, T, vocab) logits to fp32; at the start of the backward pass the
+  log-softmax output, its gradient and the logits' gradient are alive together (3 x 4 B).
+
+The peak is not the sum of those: activations are freed layer by layer while gradients are made.
+It is the largest of three moments of a steady-state step (AdamW state already allocated):
+  end of forward     = weights + optimizer + activations + all weight copies + the logits
+  start of backward  = weights + optimizer + activations + the copies still held + fp32 loss tensors
+  end of backward    = weights + optimizer + gradients + one layer's working set
+On CPU this matches the allocated peak of real steps within 1% (tests/test_memory.py); the
+resident-memory and GPU comparison is benchmarks/memory_accuracy.py (the table is in the README).
 """
 
 from __future__ import annotations
@@ -12,6 +29,21 @@ from dataclasses import asdict, dataclass
 from ptbr.config import ModelPreset
 
 GIB = 1024**3
+MIB = 1024**2
+
+# Bytes per parameter of a quantized Linear weight, constants included.
+#   nf4: bitsandbytes 4-bit (ptbr's --quant 4bit), block 64, double quantization: a uint8 absmax
+#        per block and one fp32 per 256 blocks.
+#   int8: bitsandbytes LLM.int8 (--quant 8bit), one fp32 scale per output row (~1/in B, not counted).
+#   mlx4: MLX 4-bit affine, group 64, a 16-bit scale and bias per group.
+QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "mlx4": 0.5 + 4 / 64}
+
+# What a training process holds besides the model's tensors. CUDA: nothing here, because
+# preflight reads the free GPU memory from a process that already holds a CUDA context, as the
+# training process will. CPU and Apple: the interpreter with torch and transformers imported and
+# their kernels loaded, measured at about 400 MiB (the baseline of benchmarks/memory_accuracy.py),
+# rounded up.
+RUNTIME_BYTES = {"cuda": 0, "cpu": 512 * MIB, "mps": 512 * MIB, "mlx": 512 * MIB}
 
 
 @dataclass(frozen=True)
@@ -25,64 +57,227 @@ class Architecture:
     intermediate_size: int
     vocab_size: int
     parameters: int
+    tie_word_embeddings: bool = True
+    head_dim: int | None = None  # None: hidden_size // num_heads
 
     @classmethod
     def from_preset(cls, preset: ModelPreset, vocab_size: int) -> Architecture:
         return cls(preset.hidden_size, preset.num_layers, preset.num_heads, preset.num_kv_heads,
-                   preset.intermediate_size, vocab_size, preset.param_count(vocab_size))
+                   preset.intermediate_size, vocab_size, preset.param_count(vocab_size),
+                   preset.tie_word_embeddings)
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> Architecture:
+        """From a Llama/Mistral/Qwen-style config.json (read as JSON: no weights, no torch)."""
+        h = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or h // heads)
+        layers = int(config["num_hidden_layers"])
+        inter = int(config["intermediate_size"])
+        vocab = int(config["vocab_size"])
+        tied = bool(config.get("tie_word_embeddings", False))
+        per_layer = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter + 2 * h
+        params = layers * per_layer + vocab * h * (1 if tied else 2) + h
+        return cls(h, layers, heads, kv_heads, inter, vocab, params, tied, head_dim)
+
+    @property
+    def attention_dim(self) -> int:
+        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    def layer_linear_parameters(self) -> int:
+        """The Linear weights of one decoder layer: q, k, v, o and the three MLP projections."""
+        h, a, kv, i = self.hidden_size, self.attention_dim, self.kv_dim, self.intermediate_size
+        return 2 * h * a + 2 * h * kv + 3 * h * i
+
+    @property
+    def linear_parameters(self) -> int:
+        """Every decoder Linear weight (what QLoRA quantizes); the lm_head is not among them."""
+        return self.num_layers * self.layer_linear_parameters()
+
+    @property
+    def lm_head_parameters(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def lora_parameters(self, rank: int, targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")) -> int:
+        """LoRA A and B matrices, rank * (in + out) per adapted Linear of every layer."""
+        h, a, kv, i = self.hidden_size, self.attention_dim, self.kv_dim, self.intermediate_size
+        shapes = {"q": (h, a), "k": (h, kv), "v": (h, kv), "o": (a, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
+        return self.num_layers * sum(rank * sum(shapes[t]) for t in targets)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Bytes per component, and at the three candidate peaks of a steady-state step."""
+
     precision: str
-    weights: int
+    weights: int  # master weights (full training) or the frozen, possibly quantized base + adapters
     gradients: int
     optimizer: int
-    activations: int
-    logits: int
-    overhead: int
+    activations: int  # saved for the backward pass at the end of the forward pass
+    logits: int  # the loss's fp32 tensors at the start of the backward pass
+    overhead: int  # runtime outside the model's tensors (given by the caller: context, interpreter)
+    weight_copies: int  # 16-bit autocast copies of the Linear weights at the end of the forward pass
+    forward_end: int  # peak candidates, overhead included (see the module doc)
+    backward_start: int
+    backward_end: int
+    quant: str | None = None
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.overhead
+        """The predicted peak."""
+        return max(self.forward_end, self.backward_start, self.backward_end)
+
+    @property
+    def peak_phase(self) -> str:
+        phases = {"forward_end": self.forward_end, "backward_start": self.backward_start,
+                  "backward_end": self.backward_end}
+        return max(phases, key=phases.get)
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"total": self.total}
+        """Numbers only (besides precision and quant): `ptbr info` divides every value."""
+        data = asdict(self)
+        quant = data.pop("quant")
+        return data | {"total": self.total} | ({"quant": quant} if quant else {})
 
 
-def activation_bytes_per_token_layer(arch: Architecture, precision: str) -> int:
-    """Bytes one decoder layer keeps for the backward pass, per token.
+def _layer_inventory(arch: Architecture, precision: str) -> int:
+    """Bytes one decoder layer of full training saves for the backward pass, per token.
 
-    Counted from what a Llama layer saves: two RMSNorm inputs and outputs (fp32 in HF's RMSNorm),
-    the q/k/v projections, RoPE outputs, the attention output, and four intermediate-sized MLP
-    tensors (gate, silu(gate), up, their product).
+    Counted tensor by tensor from transformers' LlamaDecoderLayer with SDPA attention, and
+    checked against the tensors autograd really saves (tests/test_memory.py):
+      fp32: the layer input, each RMSNorm's normalized input and output, RoPE'd q and k, v, the
+        attention output (+ its fp32 log-sum-exp per head), the residual after attention, four
+        intermediate-sized MLP tensors (gate, silu(gate), up, their product), two rsqrt per token.
+      fp16/bf16 autocast: the residual stream and the RMSNorms stay fp32 (the embedding output is
+        fp32 and `residual + out` promotes); autocast casts the norm output once per consuming
+        Linear (3 copies before q/k/v, 2 before gate/up), all else 16-bit.
     """
-    h, i = arch.hidden_size, arch.intermediate_size
-    kv = arch.num_kv_heads * (h // arch.num_heads)
-    act = 4 if precision == "fp32" else 2
-    norms = 4 * 4 * h  # inputs and fp32 outputs of the two RMSNorms
-    attention = act * (h + h + 2 * kv + h + 2 * kv + h)  # normed input, q, k, v, rope(q, k), output
-    mlp = act * (h + 4 * i)  # normed input, gate, silu(gate), up, product
-    return norms + attention + mlp
+    h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
+    small = 4 * heads + 2 * 4  # fp32 log-sum-exp per head (flash / memory-efficient SDPA), two rsqrt
+    if precision == "fp32":
+        return 4 * (h + 2 * h + a + 2 * kv + a + h + 2 * h + 4 * i) + small
+    fp32_part = 4 * (h + h + h + h)  # input, norm1 normalized, residual, norm2 normalized
+    casts = 2 * (3 * h + 2 * h)  # norm1 output cast for q, k, v; norm2 output cast for gate, up
+    return fp32_part + casts + 2 * (a + 2 * kv + a + 4 * i) + small
+
+
+def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, rank: int, dropout: bool,
+                          targets: int) -> int:
+    """Bytes one decoder layer of a frozen base with LoRA adapters saves, per token.
+
+    Counted from the tensors autograd saves (tests/test_memory.py): a frozen Linear keeps no
+    input, so what stays is each RMSNorm's fp32 input, the MLP's gate, silu(gate) and up (in the
+    input's dtype behind a quantized Linear, fp32 after prepare_model_for_kbit_training; else
+    the compute dtype), attention's RoPE'd q and k, v and output, and the adapters' inputs: under
+    autocast peft casts each adapted Linear's input to fp32 and autocast back, one 16-bit copy
+    per adapter (q, k, v, gate and up each copy the same norm output); in fp32 they share it.
+    Dropout keeps a mask per adapted input (1 byte with CUDA's fused dropout).
+    """
+    h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
+    mixed = compute < 4
+    norms = 2 * 4 * h
+    mlp = (4 if quantized else compute) * 3 * i
+    adapted_inputs = (5 * h + a + i) if mixed else (2 * h + a + i)
+    lora = compute * adapted_inputs + compute * rank * targets + ((5 * h + a + i) if dropout else 0)
+    attention = compute * (a + 2 * kv + a) + 4 * heads + 2 * 4  # RoPE'd q, k, v, output; lse; rsqrt
+    return norms + mlp + lora + attention
+
+
+def _head_bytes_per_token(arch: Architecture, precision: str) -> int:
+    """Saved outside the layers, per token: the token ids, the final RMSNorm, the lm_head input."""
+    h = arch.hidden_size
+    if precision == "fp32":
+        return 8 + 4 * (h + h + h) + 4  # final norm input, normalized, output; rsqrt
+    return 8 + 4 * (h + h) + 2 * h + 4  # final norm input, normalized; lm_head's cast of the output
 
 
 def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, precision: str = "fp32",
                              gradient_checkpointing: bool = False, overhead: int = 0) -> MemoryEstimate:
-    """Predicted peak bytes for one training step (forward + backward + AdamW)."""
+    """Predicted peak bytes of full training (pretraining): fp32 weights, AdamW, autocast activations."""
     params = arch.parameters
     tokens = batch_size * seq_len
-    weights = 4 * params  # fp32 master weights
-    if precision in ("fp16", "bf16"):
-        weights += 2 * params  # autocast's 16-bit copies of the weights, live during the step
-    gradients = 4 * params
-    optimizer = 8 * params  # AdamW exp_avg + exp_avg_sq
-    per_layer = activation_bytes_per_token_layer(arch, precision) * tokens
+    mixed = precision in ("fp16", "bf16")
+    per_layer = _layer_inventory(arch, precision) * tokens
+    head = _head_bytes_per_token(arch, precision) * tokens
+    # autocast caches a 16-bit copy of each weight until the forward pass ends; without
+    # checkpointing the backward pass still holds them, with it only the lm_head's is saved
+    lm_head_copy = 2 * arch.lm_head_parameters if mixed else 0
+    all_copies = arch.num_layers * 2 * arch.layer_linear_parameters() + lm_head_copy if mixed else 0
     if gradient_checkpointing:
-        # each layer keeps only its input; one layer's activations live again during recompute
-        activations = arch.num_layers * 4 * arch.hidden_size * tokens + per_layer
+        activations = arch.num_layers * 4 * arch.hidden_size * tokens + head  # each layer's fp32 input
+        held_copies = lm_head_copy
     else:
-        activations = arch.num_layers * per_layer
-    logit_bytes = 4 if precision == "fp32" else 2
-    # logits (model dtype), their fp32 upcast for the loss, and the gradient of that upcast
-    logits = tokens * arch.vocab_size * (logit_bytes + 4 + 4)
-    return MemoryEstimate(precision, weights, gradients, optimizer, activations, logits, overhead)
+        activations = arch.num_layers * per_layer + head
+        held_copies = all_copies
+    # one layer's backward: its saved (or recomputed) tensors, and two intermediate-sized
+    # gradients alive at once in the MLP (measured: tests/test_memory.py)
+    working = per_layer + 2 * (2 if mixed else 4) * arch.intermediate_size * tokens
+    # Tied embeddings: the embedding's own gradient (vocab x hidden) exists before it is added to
+    # the lm_head's. Measured: autograd adds it in place under autocast, but out of place in fp32,
+    # which makes a third vocab x hidden buffer for a moment.
+    embedding_grad = (4 if mixed else 8) * arch.lm_head_parameters if arch.tie_word_embeddings else 0
+    logits = 3 * 4 * tokens * arch.vocab_size
+    resident = 4 * params + 8 * params + overhead  # weights + AdamW state
+    return MemoryEstimate(
+        precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
+        activations=activations, logits=logits, overhead=overhead, weight_copies=all_copies,
+        forward_end=resident + activations + all_copies + (2 if mixed else 4) * tokens * arch.vocab_size,
+        backward_start=resident + activations + held_copies + logits,
+        backward_end=resident + 4 * params + max(working, embedding_grad),
+    )
+
+
+def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora_rank: int,
+                         quant: str | None = "nf4", precision: str = "bf16", gradient_checkpointing: bool = False,
+                         lora_dropout: bool = True, overhead: int = 0,
+                         targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")) -> MemoryEstimate:
+    """Predicted peak bytes of LoRA (quant=None) or QLoRA (quant="nf4", "int8"; "mlx4" on MLX), as
+    ptbr.finetune.model builds it.
+
+    Quantized: the decoder's Linear weights are packed; peft's prepare_model_for_kbit_training
+    casts embeddings, lm_head and norms to fp32, so the residual stream is fp32 too. Not
+    quantized: the base in the compute dtype. Adapters train in fp32 with AdamW. Derived from the
+    tensors autograd saves on CPU; no GPU measurement yet (see the README table).
+    """
+    if quant is not None and quant not in QUANT_BYTES:
+        raise ValueError(f"unknown quantization {quant!r} (known: None, {', '.join(QUANT_BYTES)})")
+    tokens = batch_size * seq_len
+    compute = 2 if precision in ("fp16", "bf16") else 4
+    other = arch.parameters - arch.linear_parameters  # embeddings, lm_head, norms
+    if quant is None:
+        base = compute * arch.parameters
+        residual = compute
+    elif quant == "mlx4":
+        base = round(QUANT_BYTES["mlx4"] * arch.parameters)  # MLX quantizes the embeddings too
+        residual = compute
+    else:
+        base = round(QUANT_BYTES[quant] * arch.linear_parameters) + 4 * other
+        residual = 4
+    adapters = arch.lora_parameters(lora_rank, targets)
+    per_layer = _lora_layer_inventory(arch, compute, quant is not None, lora_rank, lora_dropout, len(targets)) * tokens
+    head = (8 + 4 * arch.hidden_size + 4) * tokens  # ids, the final RMSNorm's fp32 input, rsqrt
+    # autocast's 16-bit copy of the fp32 lm_head, saved to pass gradients to its input
+    lm_head_copy = compute * arch.lm_head_parameters if compute < residual else 0
+    # a quantized Linear is dequantized for its matmul (to the input's dtype, then autocast's), one at a time
+    dequantized = (residual + compute) * arch.hidden_size * max(arch.intermediate_size, arch.attention_dim) if quant else 0
+    if gradient_checkpointing:
+        activations = arch.num_layers * residual * arch.hidden_size * tokens + head
+        working = 2 * per_layer + dequantized
+    else:
+        activations = arch.num_layers * per_layer + head
+        working = per_layer + dequantized
+    logits = 3 * 4 * tokens * arch.vocab_size
+    resident = base + 16 * adapters + overhead  # adapters: fp32 weights, gradients, AdamW state
+    return MemoryEstimate(
+        precision=precision, weights=base + 4 * adapters, gradients=4 * adapters, optimizer=8 * adapters,
+        activations=activations, logits=logits, overhead=overhead, weight_copies=lm_head_copy,
+        forward_end=resident + activations + lm_head_copy + dequantized + compute * tokens * arch.vocab_size,
+        backward_start=resident + activations + lm_head_copy + logits,
+        backward_end=resident + working,
+        quant=quant,
+    )

@@ -14,7 +14,7 @@ def test_linear_warmup_then_cosine_to_ten_percent():
     assert lrs[10] == pytest.approx(1e-3)
     assert lrs[60] == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 9e-4)
     assert lr_at(110, 1e-3, 10, 110, 0.1) == pytest.approx(1e-4)  # floor at 10%
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
 
 
 def test_no_warmup():

@@ -84,7 +84,7 @@ def _print_text(report: dict) -> None:
         b = m["batch"]
         print(f"batch      {b['batch_size']} x grad_accum {b['grad_accum']} x seq_len {b['seq_len']} "
               f"= {b['tokens_per_step']:,} tokens/step" + (" (gradient checkpointing)" if b["gradient_checkpointing"] else ""))
-        print("memory     precision  weights  grads  optimizer  activations  logits  total (GiB)")
+        print("memory     precision  weights  grads  optimizer  activations  logits  peak (GiB)")
         for precision, e in m["memory_bytes"].items():
             g = {k: v / 1024**3 for k, v in e.items() if k != "precision"}
             print(f"           {precision:<9}  {g['weights']:7.2f}  {g['gradients']:5.2f}  {g['optimizer']:9.2f}  "

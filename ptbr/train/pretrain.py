@@ -25,18 +25,34 @@ def run_pretrain(settings: PretrainConfig) -> dict:
         handler = attach_run_log(run_dir)
         try:
             with Watchdog(run_dir, settings.hang_timeout, settings.hang_action) as watchdog:
+                if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
+                    from ptbr.train.autofit import resume_smaller_on_oom
+
+                    return resume_smaller_on_oom(lambda s: _run(s, run_dir, watchdog), settings, run_dir)
                 return _run(settings, run_dir, watchdog)
         finally:
             detach(handler)
+
+
+def build_backend(settings: PretrainConfig, dataset, preset, placement):
+    """The model and its optimizer as a training-step backend (--auto-fit's dry runs build it too)."""
+    from ptbr.model import build_model
+    from ptbr.train.step import TorchStep, build_optimizer
+
+    pad_id = dataset.meta.get("pad_id") if dataset.meta else None
+    model = build_model(preset, dataset.vocab_size, dataset.eos_id, settings.seed, pad_id).to(placement.device)
+    if settings.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return TorchStep(model, build_optimizer(model, settings, placement.device), placement, settings.max_grad_norm)
 
 
 def _run(settings: PretrainConfig, run_dir: Path, watchdog: Watchdog) -> dict:
     import torch
 
     from ptbr.data.tokenizer import save_for_transformers
-    from ptbr.model import build_model, count_parameters
+    from ptbr.model import count_parameters
     from ptbr.train.device import resolve_device, resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer
 
     data_dir = settings.data or SAMPLE_DIR
     if settings.data is None:
@@ -52,14 +68,14 @@ def _run(settings: PretrainConfig, run_dir: Path, watchdog: Watchdog) -> dict:
     log(f"device {placement.device}, precision {placement.precision} ({placement.reason})")
     watchdog.device = placement.device
 
-    pad_id = dataset.meta.get("pad_id") if dataset.meta else None
-    model = build_model(preset, dataset.vocab_size, dataset.eos_id, settings.seed, pad_id).to(placement.device)
-    if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+    if settings.auto_fit:
+        from ptbr.train.autofit import auto_fit_pretrain
+
+        settings = auto_fit_pretrain(settings, dataset, preset, placement, build_backend)
+    backend = build_backend(settings, dataset, preset, placement)
+    model = backend.model
     n_params = count_parameters(model)
     log(f"model {preset.name}: {n_params:,} parameters, vocab {dataset.vocab_size}, seq_len {settings.seq_len}")
-    backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, settings.max_grad_norm)
 
     checkpoint, saved = resume_point(run_dir, settings.resume)
     state = LoopState()

@@ -1,0 +1,244 @@
+"""How good is the memory model? Predicted vs measured peak of real training steps, over a grid.
+
+    python benchmarks/memory_accuracy.py                      # CPU grid, a few minutes on 2 cores
+    python benchmarks/memory_accuracy.py --device cuda        # GPU grid (needs a CUDA GPU)
+    python benchmarks/memory_accuracy.py --markdown --output results.json
+
+Each grid point runs in a fresh process: the real model (ptbr.model.build_model), the real
+optimizer and the real step (ptbr.train.step.TorchStep) on random tokens, three optimizer steps so
+that the AdamW state exists during a forward and backward pass (the steady-state peak).
+
+What is measured, and why it matches what is predicted:
+- CUDA: torch.cuda.max_memory_allocated() after the warm-up's memory is freed and the peak stats
+  reset. It counts tensors only; the CUDA context is neither counted nor predicted
+  (ptbr.memory.RUNTIME_BYTES adds it when preflight plans a run).
+- CPU: the growth of peak resident memory (ru_maxrss) over the resident memory just before the
+  model is built. The baseline is taken after importing torch and transformers and after a
+  warm-up step of a throwaway one-layer model, so that the interpreter, the libraries, their
+  kernels, thread pools and allocator arenas are in the baseline, as they are outside the
+  prediction. What is left is the model's tensors plus what glibc's allocator keeps around them.
+  The CPU rows also give the peak of allocated tensor bytes (from torch.profiler's memory events
+  over the third step, plus the parameters and optimizer state alive at its start): the gap
+  between the two columns is allocator overhead, not model error. --malloc-release reruns the
+  grid with glibc told to give freed memory back (resident memory then follows the tensors, but
+  CPU steps ran about 2x slower here, from page faults).
+
+The last CPU results are in benchmarks/results/ (the README table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+# (model_size, vocab_size, batch_size, seq_len, precision, gradient_checkpointing)
+GRIDS = {
+    "cpu": [
+        ("tiny", 2048, 8, 256, "fp32", False),
+        ("tiny", 2048, 32, 512, "fp32", False),
+        ("tiny", 2048, 32, 512, "fp32", True),
+        ("tiny", 32000, 8, 512, "fp32", False),
+        ("85m", 32000, 1, 128, "fp32", False),
+        ("85m", 32000, 4, 256, "fp32", False),
+        ("85m", 32000, 8, 256, "fp32", False),
+        ("85m", 32000, 8, 256, "fp32", True),
+        ("85m", 32000, 4, 256, "bf16", False),
+        ("400m", 32000, 1, 256, "fp32", False),
+    ],
+    "cuda": [
+        (size, 32000, batch, seq, precision, checkpointing)
+        for size, batch, seq in (("85m", 8, 512), ("85m", 32, 1024), ("400m", 8, 1024), ("800m", 4, 2048))
+        for precision in ("bf16", "fp32")
+        for checkpointing in (False, True)
+    ],
+}
+STEPS = 3
+GOAL = {"cuda": 0.10, "cpu": 0.20}
+
+
+def predict(point: dict) -> dict:
+    from ptbr.config import get_preset
+    from ptbr.memory import Architecture, estimate_training_memory
+
+    arch = Architecture.from_preset(get_preset(point["model_size"]), point["vocab_size"])
+    estimate = estimate_training_memory(arch, point["batch_size"], point["seq_len"], point["precision"],
+                                        point["gradient_checkpointing"])
+    return {"predicted": estimate.total, "phase": estimate.peak_phase}
+
+
+def measure(point: dict) -> dict:
+    """Runs in its own process: build, train STEPS steps, report the peak."""
+    import gc
+    import resource
+
+    import numpy as np
+    import psutil
+    import torch
+
+    from ptbr.config import LoopSettings, ModelPreset, get_preset
+    from ptbr.model import build_model
+    from ptbr.train.device import resolve_device, resolve_precision
+    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+
+    placement = resolve_precision(resolve_device(point["device"]), point["precision"])
+    cuda = placement.device.type == "cuda"
+    settings = LoopSettings()
+
+    def build(preset, vocab_size, checkpointing):
+        model = build_model(preset, vocab_size, eos_id=0, seed=0).to(placement.device)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
+
+    def batch(vocab_size, batch_size, seq_len, seed):
+        windows = np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len + 1))
+        return windows_to_batch(windows)
+
+    # warm-up on a throwaway one-layer model: kernels, thread pools and arenas join the baseline
+    warm = build(ModelPreset("warm-up", 64, 1, 2, 2, 128, 64, 1e-3), 256, point["gradient_checkpointing"])
+    for seed in range(2):
+        warm.train_step([batch(256, 2, 16, seed)], 1e-3)
+    del warm
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = psutil.Process().memory_info().rss
+    started = time.monotonic()
+    backend = build(get_preset(point["model_size"]), point["vocab_size"], point["gradient_checkpointing"])
+    for step in range(STEPS - 1):
+        backend.train_step([batch(point["vocab_size"], point["batch_size"], point["seq_len"], step)], 1e-4)
+    result = {"baseline": baseline}
+    if cuda:
+        torch.cuda.synchronize()
+        backend.train_step([batch(point["vocab_size"], point["batch_size"], point["seq_len"], STEPS)], 1e-4)
+        torch.cuda.synchronize()
+        result["measured"] = torch.cuda.max_memory_allocated() - baseline
+    else:
+        result["measured"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+        result["allocated"] = _profiled_peak(backend, batch(point["vocab_size"], point["batch_size"],
+                                                            point["seq_len"], STEPS))
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def _profiled_peak(backend, batch) -> int:
+    """Peak allocated CPU bytes during one step: the tensors alive at its start (parameters and
+    optimizer state; gradients are None between steps) plus the largest rise during it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    alive = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    for state in backend.optimizer.state.values():
+        alive += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        backend.train_step([batch], 1e-4)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = rise = 0
+    for event in events:
+        if event.device_type() == torch.autograd.DeviceType.CPU:
+            live += event.nbytes()
+            rise = max(rise, live)
+    return alive + rise
+
+
+# glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, so a CPU
+# process's resident memory stays above its live tensors; a fixed threshold returns them.
+MALLOC_RELEASE = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def run_grid(device: str, points: list[tuple], timeout: int, malloc_release: bool = False) -> list[dict]:
+    env = os.environ | (MALLOC_RELEASE if malloc_release else {})
+    rows = []
+    for size, vocab, batch_size, seq_len, precision, checkpointing in points:
+        point = {"model_size": size, "vocab_size": vocab, "batch_size": batch_size, "seq_len": seq_len,
+                 "precision": precision, "gradient_checkpointing": checkpointing, "device": device}
+        row = dict(point) | predict(point)
+        try:
+            done = subprocess.run([sys.executable, __file__, "--measure", json.dumps(point)], capture_output=True,
+                                  text=True, timeout=timeout, check=True, env=env)
+            row |= json.loads(done.stdout.strip().splitlines()[-1])
+            row["error_pct"] = round(100 * (row["predicted"] - row["measured"]) / row["measured"], 1)
+            if "allocated" in row:
+                row["allocated_error_pct"] = round(100 * (row["predicted"] - row["allocated"]) / row["allocated"], 2)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            tail = (getattr(exc, "stderr", "") or "").strip().splitlines()[-1:] or [type(exc).__name__]
+            row["failed"] = tail[0]
+        print(_line(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    return rows
+
+
+def _line(row: dict) -> str:
+    name = (f"{row['model_size']} vocab {row['vocab_size']} batch {row['batch_size']} seq {row['seq_len']} "
+            f"{row['precision']}{' ckpt' if row['gradient_checkpointing'] else ''}")
+    if "failed" in row:
+        return f"{name}: failed: {row['failed']}"
+    return (f"{name}: predicted {row['predicted'] / 2**20:.0f} MiB, measured {row['measured'] / 2**20:.0f} MiB "
+            f"({row['error_pct']:+.1f}%) in {row['seconds']} s")
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    cpu = device == "cpu"
+    head = "| model | vocab | batch x seq | precision | grad. ckpt | predicted MiB | measured MiB | error |"
+    rule = "|---|---|---|---|---|---|---|---|"
+    if cpu:
+        head += " allocated MiB | error vs allocated |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for r in rows:
+        if "failed" in r:
+            continue
+        line = (f"| {r['model_size']} | {r['vocab_size']} | {r['batch_size']} x {r['seq_len']} | {r['precision']} | "
+                f"{'yes' if r['gradient_checkpointing'] else 'no'} | {r['predicted'] / 2**20:,.0f} | "
+                f"{r['measured'] / 2**20:,.0f} | {r['error_pct']:+.1f}% |")
+        if cpu:
+            line += f" {r['allocated'] / 2**20:,.0f} | {r['allocated_error_pct']:+.2f}% |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--output", help="write the rows as JSON here")
+    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per grid point")
+    parser.add_argument("--malloc-release", action="store_true",
+                        help=f"CPU: run each point with {' '.join(f'{k}={v}' for k, v in MALLOC_RELEASE.items())}")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one point, in a fresh process
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(json.loads(args.measure))))
+        return 0
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = run_grid(device, GRIDS[device], args.timeout, args.malloc_release)
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    if args.markdown:
+        print(markdown(rows, device))
+    measured = [r for r in rows if "failed" not in r]
+    worst = max((abs(r["error_pct"]) for r in measured), default=float("nan"))
+    print(f"{len(measured)}/{len(rows)} points measured on {device}; worst error {worst:.1f}% "
+          f"(goal: within {GOAL[device]:.0%})", file=sys.stderr)
+    return 0 if measured and worst <= 100 * GOAL[device] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

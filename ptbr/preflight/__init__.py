@@ -1,0 +1,190 @@
+"""Preflight: check everything a run needs before it starts, predict its memory, and write a config
+that fits this machine (DIR/preflight_report.json, DIR/recommended_config.json).
+
+    hardware facts (probed, or injected by tests) -> checks -> recommendation -> report files
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ptbr.memory import GIB, Architecture
+from ptbr.preflight.checks import (
+    FAIL,
+    PASS,
+    WARN,
+    Check,
+    check_finetune_data,
+    check_hardware,
+    check_kaggle,
+    check_mlx_backend,
+    check_output,
+    check_packages,
+    check_preset,
+    check_pretrain_data,
+    checkpoint_plan,
+    load_base_tokenizer,
+    load_test,
+    read_base_config,
+)
+from ptbr.preflight.hardware import GPU, Hardware, probe_hardware
+from ptbr.preflight.recommend import Recommendation, choose_target, quantization, recommend
+
+__all__ = ["GPU", "Check", "Hardware", "PreflightResult", "Recommendation", "probe_hardware", "recommend",
+           "run_preflight"]
+
+REPORT_FILE = "preflight_report.json"
+CONFIG_FILE = "recommended_config.json"
+
+
+@dataclass
+class PreflightResult:
+    mode: str
+    checks: list[Check]
+    hardware: Hardware
+    recommendation: Recommendation | None
+    report_path: Path | None = None
+    config_path: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    def summary(self) -> dict[str, int]:
+        return {s: sum(1 for c in self.checks if c.status == s) for s in (PASS, WARN, FAIL)}
+
+
+def run_preflight(mode: str, settings: dict, hardware: Hardware | None = None, load_weights: bool = False,
+                  versions: dict | None = None, write: bool = True, given: set[str] | None = None) -> PreflightResult:
+    """Every check for a `mode` run with these settings (a plain dict of PretrainConfig's or
+    FinetuneConfig's fields); writes the two files into settings["output"] when `write`.
+    `given`: the settings the user set, kept in recommended_config.json (None: all of them)."""
+    hardware = hardware or probe_hardware()
+    target = choose_target(hardware, mode, settings.get("device", "auto"))
+    checks = check_hardware(hardware, settings.get("device", "auto"))
+    arch, max_positions, examples, longest, sizes = None, None, None, None, {}
+
+    if mode == "pretrain":
+        data_checks, dataset = check_pretrain_data(settings)
+        vocab = dataset.vocab_size if dataset is not None else None
+        checks += data_checks + check_preset(settings, vocab)
+        from ptbr.config import PRESETS
+
+        preset = PRESETS[settings["model_size"]]
+        arch = Architecture.from_preset(preset, vocab or 32000)
+        max_positions = preset.max_position_embeddings
+        quant = None
+    else:
+        quant = quantization(settings, target)
+        model_checks, base_config = read_base_config(settings)
+        tokenizer_checks, tokenizer = load_base_tokenizer(settings) if base_config else ([], None)
+        data_checks, summary = check_finetune_data(settings, tokenizer)
+        checks += model_checks + tokenizer_checks + data_checks
+        examples, longest = summary.get("examples") or None, summary.get("longest") or None
+        if base_config:
+            arch = Architecture.from_hf_config(base_config)
+            max_positions = base_config.get("max_position_embeddings")
+            if load_weights:
+                checks.append(load_test(settings))
+
+    checks += check_packages(mode, target, quant, versions)
+    if target == "mlx":
+        checks += check_mlx_backend()
+
+    recommendation = None
+    if arch is not None:
+        recommendation = recommend(hardware, mode, settings, arch, max_positions=max_positions, examples=examples,
+                                   longest=longest)
+        checks += _memory_checks(recommendation, settings)
+        trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(int(settings.get("lora_r", 16)))
+        needed, one = checkpoint_plan(mode, recommendation.settings, arch.parameters, trainable, examples)
+        sizes = {"parameters": arch.parameters, "trainable": trainable}
+    else:
+        needed, one = 0, 0
+    checks += check_output(settings["output"], needed, one, hardware.in_kaggle)
+    checks += check_kaggle(hardware, settings["output"])
+
+    result = PreflightResult(mode, checks, hardware, recommendation, extra=sizes)
+    if write:
+        _write(result, settings, given)
+    return result
+
+
+def _memory_checks(rec: Recommendation, settings: dict) -> list[Check]:
+    key = "seq_len" if "seq_len" in rec.settings else "max_seq_len"
+    asked = rec.requested_estimate
+    checks = []
+    value = {"target": rec.target, "budget": rec.budget, "predicted_peak": asked.total, "phase": asked.peak_phase}
+    requested = (f"batch_size {settings['batch_size']} x {rec.planned_seq} tokens"
+                 f"{', gradient checkpointing' if settings.get('gradient_checkpointing') else ''}")
+    if rec.requested_fits:
+        checks.append(Check("memory.requested", PASS, value, f"{requested}: predicted peak {asked.total / GIB:.2f} GiB "
+                            f"of {rec.budget / GIB:.2f} GiB usable on {rec.target}"))
+    else:
+        checks.append(Check("memory.requested", WARN, value, f"{requested}: predicted peak {asked.total / GIB:.2f} GiB, "
+                            f"more than the {rec.budget / GIB:.2f} GiB usable on {rec.target}",
+                            "train with the recommended config (same effective batch)"))
+    chosen = rec.estimate
+    value = {"settings": {k: rec.settings[k] for k in ("batch_size", "grad_accum", key, "precision",
+                                                       "gradient_checkpointing")},
+             "predicted_peak": chosen.total, "phase": chosen.peak_phase, "estimate": chosen.as_dict()}
+    if rec.fits:
+        s = rec.settings
+        checks.append(Check("memory.recommended", PASS, value,
+                            f"recommended batch_size {s['batch_size']} x grad_accum {s['grad_accum']}, {key} {s[key]}, "
+                            f"{s['precision']}, gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}: "
+                            f"predicted peak {chosen.total / GIB:.2f} GiB"))
+    else:
+        fix = ("use a smaller preset, or a machine with more memory" if "seq_len" in rec.settings else
+               "use --quant 4bit, fewer --target-modules (e.g. q_proj,v_proj), a smaller base, or more memory")
+        checks.append(Check("memory.recommended", FAIL, value, rec.reasons[-1], fix))
+    return checks
+
+
+def _write(result: PreflightResult, settings: dict, given: set[str] | None) -> None:
+    directory = Path(settings["output"])
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # disk.writable already failed
+    from ptbr import __version__
+
+    rec = result.recommendation
+    if rec is not None and rec.fits:
+        result.config_path = directory / CONFIG_FILE
+        _write_json(result.config_path, rec.config_file(given))
+    report = {
+        "ptbr": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mode": result.mode,
+        "ok": not result.failed,
+        "summary": result.summary(),
+        "hardware": result.hardware.as_dict(),
+        "requested": settings,
+        "checks": [c.as_dict() for c in result.checks],
+        "memory": None if rec is None else {
+            "target": rec.target, "budget": rec.budget, "fits": rec.fits,
+            "requested": rec.requested_estimate.as_dict() | {"phase": rec.requested_estimate.peak_phase},
+            "recommended": rec.estimate.as_dict() | {"phase": rec.estimate.peak_phase},
+        } | result.extra,
+        "recommended_config": str(result.config_path) if result.config_path else None,
+    }
+    result.report_path = directory / REPORT_FILE
+    _write_json(result.report_path, report)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_plain) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return str(value)

@@ -1,0 +1,406 @@
+"""The preflight checks: each returns Check objects (pass, warn or fail, a value, a one-line
+message and a fix) and never raises for what it finds; a problem is a `fail`, not a crash."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ptbr.errors import PtbrError
+from ptbr.memory import GIB
+from ptbr.preflight.hardware import Hardware
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+
+
+@dataclass
+class Check:
+    name: str  # "area.what", e.g. "data.train", "packages.torch"
+    status: str  # pass | warn | fail
+    value: Any  # what was found (JSON-serialisable)
+    message: str  # one line
+    fix: str | None = None  # what to do about a warn or fail
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware
+# --------------------------------------------------------------------------------------------
+
+
+def check_hardware(hw: Hardware, device: str) -> list[Check]:
+    checks = [Check("hardware.os", PASS, hw.os, f"{hw.os}, Python {platform.python_version()}, {hw.cpu_cores} CPU cores")]
+    if not hw.ram_total:
+        checks.append(Check("hardware.ram", WARN, None, "RAM could not be read", "install psutil"))
+    else:
+        low = hw.ram_available < 4 * GIB
+        checks.append(Check("hardware.ram", WARN if low else PASS,
+                            {"total": hw.ram_total, "available": hw.ram_available},
+                            f"RAM {gib(hw.ram_available)} available of {gib(hw.ram_total)}",
+                            "close other programs: loading data and checkpoints needs RAM too" if low else None))
+    for index, gpu in enumerate(hw.gpus):
+        precision = "bf16" if gpu.real_bf16 else "fp16 + GradScaler (no native bf16)"
+        checks.append(Check(f"hardware.gpu{index}", PASS, asdict(gpu),
+                            f"{gpu.name}: {gib(gpu.memory_free)} free of {gib(gpu.memory_total)}, compute "
+                            f"{gpu.compute_capability}, driver {gpu.driver or 'unknown'}; trains in {precision}"))
+    if hw.gpus and hw.torch_cuda is None:
+        checks.append(Check("hardware.torch_cuda", FAIL, None, "a GPU is present but torch is a CPU-only build",
+                            "install a CUDA build of torch (see the README's install section)"))
+    if hw.apple_silicon:
+        limit = f", Metal working set {gib(hw.metal_working_set)}" if hw.metal_working_set else ""
+        checks.append(Check("hardware.apple", PASS, {"unified_memory": hw.unified_memory,
+                                                     "metal_working_set": hw.metal_working_set},
+                            f"Apple Silicon, {gib(hw.unified_memory or hw.ram_total)} unified memory{limit}"))
+    if not hw.gpus and not hw.apple_silicon:
+        if device in ("cuda", "mps"):
+            checks.append(Check("hardware.accelerator", FAIL, None, f"--device {device} but no such accelerator found",
+                                "use --device auto or cpu, or run where a GPU is"))
+        else:
+            checks.append(Check("hardware.accelerator", WARN, None, "no GPU: training runs on the CPU (slow but works)",
+                                "use a GPU (e.g. Kaggle's T4s) for anything larger than the tiny preset"))
+    for note in hw.notes:
+        checks.append(Check("hardware.probe", WARN, note, note, "see the message; the other checks still ran"))
+    return checks
+
+
+# --------------------------------------------------------------------------------------------
+# Python and packages
+# --------------------------------------------------------------------------------------------
+
+# package -> minimum version (pyproject.toml's); which paths need it is decided in needed_packages()
+MINIMUM = {"torch": "2.4", "transformers": "4.46", "tokenizers": "0.20", "accelerate": "1.0", "safetensors": "0.4",
+           "numpy": "1.26", "peft": "0.13", "bitsandbytes": "0.45", "mlx": "0.20", "mlx-lm": "0.20"}
+
+
+def check_mlx_backend() -> list[Check]:
+    """Fine-tuning on Apple Silicon is planned for MLX (4-bit); say so while ptbr has no MLX path."""
+    from importlib.util import find_spec
+
+    if find_spec("ptbr.mlx") is not None:
+        return [Check("backend.mlx", PASS, True, "fine-tuning runs on MLX (4-bit base, LoRA adapters)")]
+    return [Check("backend.mlx", WARN, False, "the plan is for MLX's 4-bit base, but this ptbr has no MLX path yet: "
+                  "`ptbr finetune` runs on MPS, where bitsandbytes' 4/8-bit does not",
+                  "use --quant none if a 16-bit base fits (see memory.*), or fine-tune on a CUDA GPU")]
+
+
+def needed_packages(mode: str, target: str, quant: str | None) -> list[str]:
+    if target == "mlx":
+        return ["mlx", "mlx-lm", "transformers", "tokenizers", "numpy"]
+    needed = ["torch", "transformers", "tokenizers", "accelerate", "safetensors", "numpy"]
+    if mode == "finetune":
+        needed.append("peft")
+        if quant:
+            needed.append("bitsandbytes")
+    return needed
+
+
+def check_packages(mode: str, target: str, quant: str | None, versions: dict[str, str | None] | None = None) -> list[Check]:
+    """`versions` (name -> version or None) can be injected; by default the installed ones."""
+    from packaging.version import InvalidVersion, Version
+
+    checks = []
+    python_ok = sys.version_info >= (3, 10)
+    checks.append(Check("packages.python", PASS if python_ok else FAIL, platform.python_version(),
+                        f"Python {platform.python_version()}", None if python_ok else "use Python 3.10 or newer"))
+    versions = versions if versions is not None else _installed(MINIMUM)
+    needed = needed_packages(mode, target, quant)
+    for name, minimum in MINIMUM.items():
+        found = versions.get(name)
+        required = name in needed
+        if found is None:
+            if required:
+                checks.append(Check(f"packages.{name}", FAIL, None, f"{name} is not installed (needed for {mode} on {target})",
+                                    f"pip install '{name}>={minimum}'" + (" (or pip install 'ptbr[finetune]')"
+                                                                         if name in ("peft", "bitsandbytes") else "")))
+            continue
+        try:
+            old = Version(found) < Version(minimum)
+        except InvalidVersion:
+            old = False
+        if old and required:
+            checks.append(Check(f"packages.{name}", FAIL, found, f"{name} {found} is older than {minimum}",
+                                f"pip install -U '{name}>={minimum}'"))
+        else:
+            checks.append(Check(f"packages.{name}", PASS, found,
+                                f"{name} {found}" + ("" if required else " (not needed for this run)")))
+    return checks
+
+
+def _installed(names) -> dict[str, str | None]:
+    found = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def check_pretrain_data(settings: dict) -> tuple[list[Check], Any]:
+    """The token dataset: opens, formats, token counts, max id < vocab. Returns (checks, dataset)."""
+    from ptbr.data import SAMPLE_DIR
+    from ptbr.data.tokens import describe, open_dataset
+
+    directory = settings.get("data") or SAMPLE_DIR
+    try:
+        dataset = open_dataset(directory, settings.get("tokenizer"))
+        info = describe(dataset)
+    except PtbrError as exc:
+        return [Check("data.dataset", FAIL, str(directory), exc.what, exc.fix)], None
+    except Exception as exc:  # noqa: BLE001 - an unreadable dataset is a failed check, not a crash
+        return [Check("data.dataset", FAIL, str(directory), f"cannot read the dataset: {type(exc).__name__}: {exc}",
+                      "re-run `ptbr prepare`")], None
+    checks = [Check("data.dataset", PASS, info, f"{directory} ({info['layout']}), vocab {info['vocab_size']:,}, "
+                    f"{info['dtype']} tokens" + (" (the bundled sample)" if not settings.get("data") else ""))]
+    for problem in info["problems"]:
+        checks.append(Check("data.token_ids", FAIL, problem, problem,
+                            "re-run `ptbr prepare`, or pass the tokenizer the data was made with"))
+    for warning in info["warnings"]:
+        checks.append(Check("data.warning", WARN, warning, warning, "see the message"))
+    seq = settings["seq_len"]
+    train = info["train_tokens"]
+    if train < seq + 1:
+        checks.append(Check("data.train", FAIL, train, f"train.bin holds {train:,} tokens, fewer than seq_len + 1 = {seq + 1}",
+                            "lower --seq-len or add data"))
+    else:
+        per_step = settings["batch_size"] * settings["grad_accum"] * seq
+        passes = per_step * settings["max_steps"] / train
+        many = passes > 100
+        checks.append(Check("data.train", WARN if many else PASS, {"tokens": train, "max_id": info.get("train_max_id"),
+                                                                    "passes": round(passes, 2)},
+                            f"train.bin {train:,} tokens (max id {info.get('train_max_id'):,}); the run reads "
+                            f"{per_step:,} tokens a step, {passes:.1f} passes over the data",
+                            "add data or lower --max-steps: so many passes memorise the data" if many else None))
+    if info["val_tokens"]:
+        checks.append(Check("data.val", PASS, info["val_tokens"], f"val.bin {info['val_tokens']:,} tokens"))
+    return checks, dataset
+
+
+def check_finetune_data(settings: dict, tokenizer=None) -> tuple[list[Check], dict]:
+    """The JSONL files, checked line by line as `ptbr finetune` will (and encoded, with the length
+    policy applied, when the base's tokenizer loaded). Returns (checks, {"examples", "longest"})."""
+    from ptbr.finetune.data import inspect_jsonl, problems_summary
+    from ptbr.finetune.run import data_paths
+
+    try:
+        train_path, valid_path = data_paths(settings["data"], settings.get("valid"))
+    except PtbrError as exc:
+        return [Check("data.train", FAIL, settings["data"], exc.what, exc.fix)], {}
+    checks, summary = [], {}
+    for name, path in (("data.train", train_path), ("data.valid", valid_path)):
+        if path is None:
+            checks.append(Check(name, WARN, None, "no validation file: no evaluation, adapters/ gets the last step's",
+                                "give --valid FILE.jsonl, or put valid.jsonl next to train.jsonl"))
+            continue
+        report = inspect_jsonl(path, tokenizer, settings["max_seq_len"], settings.get("drop_long", False))
+        count = len(report.examples) if tokenizer is not None else len(report.records)
+        value = {"path": str(path), "format": report.schema, "examples": count, "longest_tokens": report.longest or None,
+                 "too_long": report.too_long, "problems": report.problems[:20], "warnings": report.warnings}
+        if name == "data.train":
+            summary = {"examples": count, "longest": report.longest}
+        if report.problems:
+            checks.append(Check(name, FAIL, value, problems_summary(report),
+                                f"fix those lines (`ptbr validate-data {path}` lists every problem)"))
+            continue
+        message = f"{path}: {count} {report.schema} examples"
+        if tokenizer is not None:
+            message += f", longest {report.longest} tokens"
+        else:
+            message += " (lengths unknown: the tokenizer did not load)"
+        checks.append(Check(name, WARN if report.warnings else PASS, value,
+                            message + (f"; {report.warnings[0]}" if report.warnings else ""),
+                            "raise --max-seq-len if memory allows (see the recommendation)" if report.warnings else None))
+    return checks, summary
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def check_preset(settings: dict, vocab_size: int | None) -> list[Check]:
+    from ptbr.config import PRESETS
+
+    preset = PRESETS[settings["model_size"]]
+    vocab = vocab_size or 32000
+    return [Check("model.preset", PASS, {"model_size": preset.name, "parameters": preset.param_count(vocab),
+                                         "vocab_size": vocab},
+                  f"{preset.name}: {preset.param_count(vocab):,} parameters at vocab {vocab:,}, "
+                  f"up to {preset.max_position_embeddings} positions")]
+
+
+def read_base_config(settings: dict) -> tuple[list[Check], dict | None]:
+    """The base model's config.json, read as JSON (no weights, no network)."""
+    from ptbr.finetune.model import check_base, refuse_prequantized
+
+    base = settings["base"]
+    try:
+        check_base(base)
+        refuse_prequantized(base)
+    except PtbrError as exc:
+        return [Check("model.base", FAIL, base, exc.what, exc.fix)], None
+    directory = Path(base).expanduser()
+    if not directory.is_dir():
+        directory = _hub_cache_dir(base)
+        if directory is None:
+            return [Check("model.base", FAIL, base, f"{base} is neither a local directory nor in the Hugging Face cache",
+                          "download it first (huggingface-cli download ...) and give its directory")], None
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [Check("model.config", FAIL, str(path), f"cannot read config.json: {exc}",
+                      "give a complete Hugging Face model directory")], None
+    config = config.get("text_config", config)  # multimodal wrappers keep the decoder's here
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in needed if k not in config]
+    if missing:
+        return [Check("model.config", FAIL, str(path), f"config.json lacks {', '.join(missing)}",
+                      "use a Llama/Mistral/Qwen-style decoder")], None
+    kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
+    return [Check("model.config", PASS, {k: config.get(k) for k in needed + ("num_key_value_heads", "model_type")},
+                  f"{base}: {kind}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+                  f"vocab {config['vocab_size']:,}")], config
+
+
+def _hub_cache_dir(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+        return Path(found).parent if isinstance(found, str) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def load_base_tokenizer(settings: dict) -> tuple[list[Check], Any]:
+    from ptbr.finetune.model import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(settings["base"], settings.get("trust_remote_code", False))
+    except PtbrError as exc:
+        return [Check("model.tokenizer", FAIL, settings["base"], exc.what, exc.fix)], None
+    return [Check("model.tokenizer", PASS, len(tokenizer), f"the tokenizer loads ({len(tokenizer):,} tokens)")], tokenizer
+
+
+def load_test(settings: dict) -> Check:
+    """--load-test: load the base with its adapter exactly as `ptbr finetune` will, then free it."""
+    import gc
+
+    from ptbr.config import FinetuneConfig
+    from ptbr.finetune.model import load_model
+    from ptbr.train.device import resolve_device, resolve_precision
+
+    try:
+        config = FinetuneConfig(**settings)
+        adapted = load_model(config, resolve_precision(resolve_device(config.device), config.precision))
+        footprint = adapted.model.get_memory_footprint()
+        del adapted
+        gc.collect()
+        return Check("model.load_test", PASS, footprint, f"the weights load with the adapter ({gib(footprint)})")
+    except PtbrError as exc:
+        return Check("model.load_test", FAIL, settings["base"], exc.what, exc.fix)
+    except Exception as exc:  # noqa: BLE001 - a load failure of any kind is a failed check
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        return Check("model.load_test", FAIL, settings["base"], f"the weights do not load: {reason}",
+                     "check the model files and the free memory")
+
+
+# --------------------------------------------------------------------------------------------
+# Disk and output directory
+# --------------------------------------------------------------------------------------------
+
+
+def checkpoint_bytes(mode: str, parameters: int, trainable: int) -> int:
+    """One checkpoint: fp32 weights (or the adapter) plus AdamW's two fp32 moments."""
+    if mode == "pretrain":
+        return 4 * parameters + 8 * parameters
+    return 4 * trainable + 8 * trainable
+
+
+def check_output(output: str, needed: int, one_checkpoint: int, in_kaggle: bool) -> list[Check]:
+    """Write permission, then free space against what the run's checkpoints will take."""
+    directory = Path(output)
+    checks = []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".preflight_write_test"
+        probe.write_text("ok")
+        probe.unlink()
+        checks.append(Check("disk.writable", PASS, str(directory), f"{directory} is writable"))
+    except OSError as exc:
+        checks.append(Check("disk.writable", FAIL, str(directory), f"cannot write to {directory}: {exc.strerror or exc}",
+                            "choose a directory you can write to with --output"))
+        return checks
+    free = shutil.disk_usage(directory).free
+    value = {"free": free, "needed": needed, "one_checkpoint": one_checkpoint}
+    if free < one_checkpoint:
+        checks.append(Check("disk.space", FAIL, value, f"{gib(free)} free in {directory}, one checkpoint takes "
+                            f"{gib(one_checkpoint)}", "free disk space or choose another --output"))
+    elif free < needed:
+        checks.append(Check("disk.space", WARN, value, f"{gib(free)} free in {directory}; the run's checkpoints take "
+                            f"{gib(needed)}", "use --keep-last N, raise --save-every, or free space"))
+    else:
+        checks.append(Check("disk.space", PASS, value, f"{gib(free)} free, the run's checkpoints take {gib(needed)}"))
+    if in_kaggle and needed > 19 * GIB:
+        checks.append(Check("kaggle.output_size", WARN, needed, f"the run writes {gib(needed)}; Kaggle keeps about 20 GB of "
+                            "/kaggle/working", "use --keep-last 2 (or raise --save-every) so fewer checkpoints are kept"))
+    return checks
+
+
+def checkpoint_plan(mode: str, settings: dict, parameters: int, trainable: int, examples: int | None) -> tuple[int, int]:
+    """(bytes all checkpoints and the final model take, bytes of one checkpoint)."""
+    one = checkpoint_bytes(mode, parameters, trainable)
+    if mode == "pretrain":
+        steps = settings["max_steps"]
+    else:
+        effective = settings["batch_size"] * settings["grad_accum"]
+        steps = settings.get("max_steps") or 0
+        if examples:
+            steps = min(steps or math.inf, -(-examples // effective) * int(settings.get("epochs", 1)))
+    count = max(1, math.ceil(steps / max(1, settings["save_every"]))) if steps else 1
+    if settings.get("keep_last"):
+        count = min(count, settings["keep_last"] + 1)  # the newest is written before the oldest goes
+    final = 4 * parameters if mode == "pretrain" else 4 * trainable
+    return count * one + final, one
+
+
+# --------------------------------------------------------------------------------------------
+# Kaggle
+# --------------------------------------------------------------------------------------------
+
+
+def check_kaggle(hw: Hardware, output: str) -> list[Check]:
+    if not hw.in_kaggle:
+        return []
+    checks = []
+    run_type = os.environ.get("KAGGLE_KERNEL_RUN_TYPE", "unknown")
+    names = sorted({g.name for g in hw.gpus})
+    checks.append(Check("kaggle.runtime", PASS if hw.gpus else WARN, {"run_type": run_type, "gpus": names},
+                        f"Kaggle ({run_type}), GPUs: {', '.join(names) or 'none'}; sessions end after 12 h: the run "
+                        "saves on SIGTERM and resumes from the previous version's output",
+                        None if hw.gpus else "enable the GPU accelerator (machine_shape NvidiaTeslaT4)"))
+    inside = Path(output).resolve().is_relative_to(Path("/kaggle/working"))
+    checks.append(Check("kaggle.output", PASS if inside else WARN, output,
+                        f"output {output} " + ("is under /kaggle/working (kept)" if inside else "is outside /kaggle/working: lost when the session ends"),
+                        None if inside else "use an --output under /kaggle/working"))
+    return checks

@@ -1,0 +1,159 @@
+"""The memory model against real tensors: exact parameter counts, exactly the activations autograd
+saves, the allocated peak of real training steps on CPU, and QLoRA's numbers for Mistral-7B."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ptbr.config import PRESETS, LoopSettings, ModelPreset
+from ptbr.memory import (
+    GIB,
+    QUANT_BYTES,
+    Architecture,
+    estimate_lora_memory,
+    estimate_training_memory,
+)
+
+# Mistral-7B-v0.1's config.json, the numbers that matter
+MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+              "max_position_embeddings": 32768, "tie_word_embeddings": False, "model_type": "mistral"}
+# two layers with grouped-query attention: every term of the inventory shows
+SMALL = ModelPreset("two-layer", 64, 2, 4, 2, 160, 128, learning_rate=1e-3)
+VOCAB = 320
+
+
+def test_mistral_7b_parameters_from_its_config_json():
+    arch = Architecture.from_hf_config(MISTRAL_7B)
+    assert arch.parameters == 7_241_732_096
+    assert arch.linear_parameters == 6_979_321_856
+    assert arch.lora_parameters(16) == 41_943_040  # r=16 on q, k, v, o, gate, up, down
+
+
+def test_preset_parameter_counts_are_the_built_models():
+    from ptbr.model import build_model, count_parameters
+
+    for preset, vocab in ((PRESETS["tiny"], 2048), (SMALL, VOCAB)):
+        assert Architecture.from_preset(preset, vocab).parameters == count_parameters(build_model(preset, vocab, 0, 0))
+
+
+def test_qlora_mistral_7b_weights():
+    arch = Architecture.from_hf_config(MISTRAL_7B)
+    estimate = estimate_lora_memory(arch, 1, 1024, 16, "nf4", "fp16", gradient_checkpointing=True)
+    # NF4 with double quantization, embeddings/lm_head/norms in fp32 (prepare_model_for_kbit_training)
+    nf4 = round(QUANT_BYTES["nf4"] * 6_979_321_856)
+    assert nf4 == 3_600_416_768  # 0.5 B + a uint8 absmax per 64 + an fp32 per 256 blocks
+    assert estimate.weights == nf4 + 4 * (7_241_732_096 - 6_979_321_856) + 4 * 41_943_040
+    assert estimate.gradients == 4 * 41_943_040 and estimate.optimizer == 8 * 41_943_040
+    assert 5.5 * GIB < estimate.total < 7 * GIB  # what a T4 fits at seq 1024, batch 1
+    # no checkpointing: the activations of 32 layers at 1024 tokens do not fit a 16 GB T4
+    assert estimate_lora_memory(arch, 1, 1024, 16, "nf4", "fp16").total > 15 * GIB
+
+
+def test_peak_grows_with_batch_and_checkpointing_saves_memory():
+    arch = Architecture.from_preset(PRESETS["85m"], 32000)
+    totals = [estimate_training_memory(arch, b, 512, "bf16").total for b in (1, 2, 4, 8)]
+    assert totals == sorted(totals) and len(set(totals)) == 4
+    assert estimate_training_memory(arch, 8, 512, "bf16", True).total < totals[-1]
+
+
+def _saved_bytes(model, ids, placement) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward pass (parameters excepted)."""
+    import torch
+    import torch.nn.functional as F
+
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with placement.autocast():
+            logits = model(input_ids=ids).logits
+        F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for pointer, size in storages.items() if pointer not in params)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_are_exactly_what_autograd_saves(precision, checkpointing):
+    import torch
+
+    from ptbr.model import build_model
+    from ptbr.train.device import resolve_precision
+
+    batch, seq = 2, 48
+    model = build_model(SMALL, VOCAB, 0, 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model.train()
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    saved = _saved_bytes(model, ids, resolve_precision(torch.device("cpu"), precision))
+
+    e = estimate_training_memory(Architecture.from_preset(SMALL, VOCAB), batch, seq, precision, checkpointing)
+    held_copies = e.backward_start - (e.weights + e.optimizer) - e.activations - e.logits
+    log_softmax = 4 * batch * seq * VOCAB
+    rope = 0 if checkpointing else 2 * seq * SMALL.head_dim * 4  # cos and sin, shared by the layers
+    total_weight = 4  # nll_loss's fp32 scalar
+    assert saved == e.activations + held_copies + log_softmax + rope + total_weight
+
+
+def _allocated_peak(backend, batch) -> int:
+    """Peak allocated CPU bytes of one step: what is alive at its start (weights, AdamW state)
+    plus the largest rise during it, from torch.profiler's memory events."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    alive = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    alive += sum(t.numel() * t.element_size() for state in backend.optimizer.state.values()
+                 for t in state.values() if torch.is_tensor(t))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        backend.train_step([batch], 1e-3)
+    live = rise = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        if event.device_type() == torch.autograd.DeviceType.CPU:
+            live += event.nbytes()
+            rise = max(rise, live)
+    return alive + rise
+
+
+WIDE_MLP = ModelPreset("wide-mlp", 64, 3, 4, 2, 1024, 128, learning_rate=1e-3)
+
+
+@pytest.mark.parametrize("preset, vocab, batch, seq, precision, checkpointing", [
+    # gradients dominate: the peak is at the end of the backward pass
+    pytest.param(SMALL, VOCAB, 1, 16, "fp32", False, id="end-of-backward"),
+    # activations and logits dominate: the start of the backward pass
+    pytest.param(SMALL, VOCAB, 8, 64, "fp32", False, id="start-of-backward-fp32"),
+    pytest.param(SMALL, VOCAB, 8, 64, "bf16", False, id="start-of-backward-bf16"),
+    pytest.param(SMALL, VOCAB, 8, 64, "bf16", True, id="checkpointing-bf16"),
+    # one recomputed layer's backward dominates
+    pytest.param(WIDE_MLP, 64, 16, 64, "fp32", True, id="recomputed-layer-fp32"),
+    pytest.param(WIDE_MLP, 64, 16, 64, "bf16", True, id="recomputed-layer-bf16"),
+])
+def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batch, seq, precision, checkpointing):
+    import torch
+
+    from ptbr.model import build_model
+    from ptbr.train.device import resolve_precision
+    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+
+    placement = resolve_precision(torch.device("cpu"), precision)
+    model = build_model(preset, vocab, 0, 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    backend = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0)
+    windows = np.random.default_rng(0).integers(0, vocab, size=(batch, seq + 1))
+    backend.train_step([windows_to_batch(windows)], 1e-3)  # allocates AdamW's state: the steady state follows
+    measured = _allocated_peak(backend, windows_to_batch(windows))
+
+    predicted = estimate_training_memory(Architecture.from_preset(preset, vocab), batch, seq, precision,
+                                         checkpointing).total
+    assert predicted == pytest.approx(measured, rel=0.01)

@@ -1,0 +1,426 @@
+"""Preflight and --auto-fit: recommendations for injected hardware (T4, 2x T4, H100, 8/16/32 GB
+Apple Silicon, a 24 GB CPU-only machine) for every preset and for Mistral-7B QLoRA; the CLI's
+exit codes and files; the recommended config trained as is; auto-fit under an injected OOM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ptbr.config import PRESETS, FinetuneConfig, PretrainConfig, build_settings
+from ptbr.memory import GIB, Architecture
+from ptbr.preflight import GPU, Hardware, recommend
+from ptbr.preflight.checks import FAIL, PASS, WARN, check_kaggle, check_packages
+from ptbr.preflight.recommend import estimate
+
+# --------------------------------------------------------------------------------------------
+# Injected machines, with the numbers torch and psutil report on them
+# --------------------------------------------------------------------------------------------
+
+T4 = GPU("Tesla T4", memory_total=15_828_320_256, memory_free=15_642_001_408, compute_capability="7.5",
+         real_bf16=False, driver="550.90.07")
+H100 = GPU("NVIDIA H100 80GB HBM3", memory_total=85_029_158_912, memory_free=84_493_336_576,
+           compute_capability="9.0", real_bf16=True, driver="550.90.07")
+
+
+def linux(gpus=(), ram=31 * GIB, available=29 * GIB, cores=4, kaggle=False) -> Hardware:
+    return Hardware("Linux 6.6 x86_64", cores, ram, available, list(gpus), in_kaggle=kaggle, torch_cuda="12.4")
+
+
+def mac(unified_gib: int, available_gib: float) -> Hardware:
+    # Metal's recommended working set is 2/3 of unified memory on these machines
+    return Hardware("Darwin 24.1 arm64", 8, unified_gib * GIB, int(available_gib * GIB), apple_silicon=True,
+                    unified_memory=unified_gib * GIB, metal_working_set=unified_gib * GIB * 2 // 3)
+
+
+MACHINES = {
+    "t4": linux([T4]),
+    "2xt4": linux([T4, T4], kaggle=True),
+    "h100": linux([H100], ram=240 * GIB, available=230 * GIB, cores=26),
+    "mac8": mac(8, 5.5),
+    "mac16": mac(16, 11),
+    "mac32": mac(32, 24),
+    "cpu24": Hardware("Linux 6.6 x86_64", 2, 24 * GIB, 22 * GIB),
+}
+MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+              "max_position_embeddings": 32768, "tie_word_embeddings": False}
+VOCAB = 32000
+
+
+def pretrain_request(size: str) -> dict:
+    """What a user asks for: 32 sequences per step, as 8 x grad_accum 4, of the preset's length."""
+    seq = min(1024, PRESETS[size].max_position_embeddings)
+    return dataclasses.asdict(PretrainConfig(model_size=size, seq_len=seq, batch_size=8, grad_accum=4))
+
+
+def qlora_request() -> dict:
+    return dataclasses.asdict(FinetuneConfig(base="mistral-7b", data="train.jsonl", quant="4bit", lora_r=16,
+                                             max_seq_len=1024, batch_size=4, grad_accum=4))
+
+
+def check_invariants(rec, hardware: Hardware, mode: str, requested: dict, arch: Architecture, seq_key: str):
+    s = rec.settings
+    assert s["batch_size"] * s["grad_accum"] == requested["batch_size"] * requested["grad_accum"]
+    assert s["learning_rate"] == requested["learning_rate"]
+    if not rec.fits:
+        return
+    assert rec.estimate.total <= rec.budget
+    assert s[seq_key] <= requested[seq_key]
+    # the micro-batch is the largest that fits: the next larger divisor of the effective batch does not
+    effective = requested["batch_size"] * requested["grad_accum"]
+    larger = [d for d in range(s["batch_size"] + 1, effective + 1) if effective % d == 0]
+    if larger:
+        bigger = estimate(mode, arch, requested, rec.target, larger[0], s[seq_key], s["precision"],
+                          s["gradient_checkpointing"])
+        assert bigger.total > rec.budget
+    expected = {"cuda": "bf16" if hardware.gpus and hardware.gpus[0].real_bf16 else "fp16", "cpu": "fp32",
+                "mps": "fp32", "mlx": "bf16"}[rec.target]
+    assert s["precision"] == expected
+
+
+# (machine, preset) -> (batch_size, grad_accum, seq_len, gradient_checkpointing), or None: does not fit
+PRETRAIN_EXPECTED = {
+    ("t4", "tiny"): (32, 1, 512, False), ("t4", "85m"): (8, 4, 1024, False),
+    ("t4", "400m"): (4, 8, 1024, False), ("t4", "800m"): (4, 8, 1024, True),
+    ("2xt4", "tiny"): (32, 1, 512, False), ("2xt4", "85m"): (8, 4, 1024, False),
+    ("2xt4", "400m"): (4, 8, 1024, False), ("2xt4", "800m"): (4, 8, 1024, True),
+    ("h100", "tiny"): (32, 1, 512, False), ("h100", "85m"): (32, 1, 1024, False),
+    ("h100", "400m"): (32, 1, 1024, False), ("h100", "800m"): (16, 2, 1024, False),
+    ("mac8", "tiny"): (16, 2, 512, False), ("mac8", "85m"): (2, 16, 1024, False),
+    ("mac8", "400m"): None, ("mac8", "800m"): None,  # 16 B per parameter alone exceed Metal's 5.3 GiB
+    ("mac16", "tiny"): (32, 1, 512, False), ("mac16", "85m"): (8, 4, 1024, False),
+    ("mac16", "400m"): (1, 32, 1024, False), ("mac16", "800m"): None,
+    ("mac32", "tiny"): (32, 1, 512, False), ("mac32", "85m"): (16, 2, 1024, False),
+    ("mac32", "400m"): (4, 8, 1024, False), ("mac32", "800m"): (2, 16, 1024, False),
+    ("cpu24", "tiny"): (32, 1, 512, False), ("cpu24", "85m"): (8, 4, 1024, False),
+    ("cpu24", "400m"): (4, 8, 1024, False), ("cpu24", "800m"): (2, 16, 1024, False),
+}
+
+
+@pytest.mark.parametrize("machine, size", list(PRETRAIN_EXPECTED))
+def test_pretrain_recommendation(machine, size):
+    hardware, requested = MACHINES[machine], pretrain_request(size)
+    arch = Architecture.from_preset(PRESETS[size], VOCAB)
+    rec = recommend(hardware, "pretrain", requested, arch, max_positions=PRESETS[size].max_position_embeddings)
+    check_invariants(rec, hardware, "pretrain", requested, arch, "seq_len")
+    s = rec.settings
+    got = (s["batch_size"], s["grad_accum"], s["seq_len"], s["gradient_checkpointing"]) if rec.fits else None
+    assert got == PRETRAIN_EXPECTED[(machine, size)], rec.reasons
+    if not rec.fits:
+        assert "does not fit" in rec.reasons[-1]
+
+
+QLORA_EXPECTED = {  # machine -> (batch_size, grad_accum, max_seq_len, gradient_checkpointing, precision)
+    "t4": (8, 2, 1024, True, "fp16"),  # predicted 12.3 of 13.1 GiB usable
+    "2xt4": (8, 2, 1024, True, "fp16"),
+    "h100": (4, 4, 1024, False, "bf16"),  # 48.5 of 70.8 GiB: micro-batch 8 would not fit without checkpointing
+    "mac8": None,  # MLX 4-bit weights + adapters already need 5.2 GiB, Metal allows 4.9 here
+    "mac16": (4, 4, 1024, True, "bf16"),
+    "mac32": (1, 16, 1024, False, "bf16"),
+    "cpu24": (8, 2, 1024, True, "fp32"),  # bitsandbytes' CPU path computes in fp32
+}
+
+
+@pytest.mark.parametrize("machine", list(QLORA_EXPECTED))
+def test_mistral_7b_qlora_recommendation(machine):
+    hardware, requested = MACHINES[machine], qlora_request()
+    arch = Architecture.from_hf_config(MISTRAL_7B)
+    rec = recommend(hardware, "finetune", requested, arch, max_positions=MISTRAL_7B["max_position_embeddings"],
+                    examples=848)
+    check_invariants(rec, hardware, "finetune", requested, arch, "max_seq_len")
+    s = rec.settings
+    got = (s["batch_size"], s["grad_accum"], s["max_seq_len"], s["gradient_checkpointing"], s["precision"])
+    assert (got if rec.fits else None) == QLORA_EXPECTED[machine], rec.reasons
+    assert any("848 training examples" in r for r in rec.reasons)
+    if machine == "mac16":
+        assert rec.target == "mlx"  # fine-tuning on Apple Silicon: MLX's 4-bit
+        assert rec.estimate.quant == "mlx4"
+
+
+def test_t4_gets_fp16_and_two_t4s_train_on_one():
+    rec = recommend(MACHINES["2xt4"], "pretrain", pretrain_request("85m"), Architecture.from_preset(PRESETS["85m"], VOCAB))
+    assert rec.settings["precision"] == "fp16"
+    assert any("no native bf16" in r for r in rec.reasons)
+    assert any("2 GPUs found" in r for r in rec.reasons)
+    # asking for bf16 on a T4 is corrected, with the reason
+    asked = pretrain_request("85m") | {"precision": "bf16"}
+    rec = recommend(MACHINES["t4"], "pretrain", asked, Architecture.from_preset(PRESETS["85m"], VOCAB))
+    assert rec.settings["precision"] == "fp16" and any("instead of bf16" in r for r in rec.reasons)
+
+
+def test_sequence_is_shortened_only_when_one_sequence_does_not_fit():
+    # 85m with checkpointing needs 1.79 GiB for one sequence of 2048 tokens, 1.39 GiB for 1024
+    small_gpu = linux([dataclasses.replace(T4, memory_free=int(1.7 / 0.9 * GIB))])
+    requested = dataclasses.asdict(PretrainConfig(model_size="85m", seq_len=2048, batch_size=1, grad_accum=8))
+    rec = recommend(small_gpu, "pretrain", requested, Architecture.from_preset(PRESETS["85m"], VOCAB))
+    assert rec.fits and rec.settings["seq_len"] == 1024 and rec.settings["gradient_checkpointing"]
+    assert any("lowered from 2048 to 1024" in r for r in rec.reasons)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+
+
+def test_packages_missing_or_too_old_fail_for_the_path_that_needs_them():
+    versions = {"torch": "2.13.0", "transformers": "5.23.0", "tokenizers": "0.23.3", "accelerate": "1.15.0",
+                "safetensors": "0.8.0", "numpy": "2.4.6", "peft": None, "bitsandbytes": "0.44.0", "mlx": None,
+                "mlx-lm": None}
+    pretrain = {c.name: c.status for c in check_packages("pretrain", "cuda", None, versions)}
+    assert pretrain["packages.torch"] == PASS and FAIL not in pretrain.values()
+    finetune = {c.name: c.status for c in check_packages("finetune", "cuda", "nf4", versions)}
+    assert finetune["packages.peft"] == FAIL and finetune["packages.bitsandbytes"] == FAIL
+    mlx = {c.name: c.status for c in check_packages("finetune", "mlx", "mlx4", versions)}
+    assert mlx["packages.mlx"] == FAIL and "packages.peft" not in mlx
+
+
+def test_kaggle_output_outside_working_is_a_warning():
+    checks = {c.name: c for c in check_kaggle(MACHINES["2xt4"], "/tmp/run")}
+    assert checks["kaggle.runtime"].status == PASS
+    assert checks["kaggle.output"].status == WARN and "/kaggle/working" in checks["kaggle.output"].fix
+    assert check_kaggle(MACHINES["t4"], "/tmp/run") == []
+
+
+def test_probe_never_raises(monkeypatch):
+    import psutil
+
+    from ptbr.preflight.hardware import probe_hardware
+
+    def broken():
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(psutil, "virtual_memory", broken)
+    hardware = probe_hardware()
+    assert hardware.ram_total == 0 and any("RAM unknown" in note for note in hardware.notes)
+    assert hardware.cpu_cores >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def test_preflight_writes_a_config_that_train_uses_as_is(tmp_path, capsys):
+    from ptbr.cli import main
+
+    out = tmp_path / "plan"
+    assert main(["preflight", "--mode", "pretrain", "--model-size", "tiny", "--seq-len", "64", "--batch-size", "4",
+                 "--grad-accum", "2", "--output", str(out)]) == 0
+    report = json.loads((out / "preflight_report.json").read_text())
+    assert report["ok"] and report["summary"]["fail"] == 0
+    names = {c["name"] for c in report["checks"]}
+    assert {"hardware.os", "data.dataset", "model.preset", "packages.torch", "memory.recommended",
+            "disk.space"} <= names
+    config = json.loads((out / "recommended_config.json").read_text())
+    assert config["reasons"] and config["batch_size"] * config["grad_accum"] == 8
+    assert {"batch_size", "grad_accum", "seq_len", "learning_rate", "precision", "gradient_checkpointing",
+            "max_steps"} <= set(config)
+    build_settings(PretrainConfig, config)  # every key is a PretrainConfig field (or "reasons")
+    assert "warmup_steps" not in config  # derived from max_steps: it must follow the --max-steps below
+    assert "next: ptbr train --config" in capsys.readouterr().out
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(out / "recommended_config.json"), "--max-steps", "2",
+                 "--output", str(run)]) == 0
+    assert json.loads((run / "training_summary.json").read_text())["steps"] == 2
+
+
+def test_a_broken_dataset_fails_preflight(tmp_path, capsys):
+    from ptbr.cli import main
+    from ptbr.data import SAMPLE_DIR
+
+    broken = tmp_path / "data"
+    shutil.copytree(SAMPLE_DIR, broken)
+    with open(broken / "train.bin", "ab") as f:
+        f.write(b"\x01")  # an odd number of bytes: not uint16 tokens
+    out = tmp_path / "plan"
+    assert main(["preflight", "--data", str(broken), "--output", str(out)]) == 10
+    report = json.loads((out / "preflight_report.json").read_text())
+    failed = [c for c in report["checks"] if c["status"] == FAIL]
+    assert not report["ok"] and [c["name"] for c in failed] == ["data.dataset"]
+    assert "not a multiple of 2" in failed[0]["message"] and failed[0]["fix"]
+    assert "error: 1 check(s) failed: data.dataset" in capsys.readouterr().err
+
+
+def test_flags_of_the_other_mode_are_an_error(tmp_path, capsys):
+    from ptbr.cli import main
+
+    assert main(["preflight", "--mode", "pretrain", "--lora-r", "8", "--output", str(tmp_path)]) == 2
+    assert "--lora-r not used by --mode pretrain" in capsys.readouterr().err
+
+
+@pytest.fixture
+def toy_base(tmp_path) -> Path:
+    """A two-layer Mistral-architecture base with its tokenizer, and a chat JSONL beside it."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+
+    from ptbr.data.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+
+    rows = [{"messages": [{"role": "user", "content": f"Quanto é {i} mais {i}?"},
+                          {"role": "assistant", "content": f"{i} mais {i} são {2 * i}."}]} for i in range(24)]
+    with open(tmp_path / "train.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    texts = [m["content"] for r in rows for m in r["messages"]] + ["<|user|>\n<|assistant|>\n"] * 4
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(texts, vocab_size=300, min_frequency=1),
+                                        eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    base = tmp_path / "base"
+    tokenizer.save_pretrained(base)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        MistralForCausalLM(config).save_pretrained(base)
+    return base
+
+
+def test_finetune_preflight_reads_the_base_and_checks_the_jsonl(toy_base, tmp_path, capsys):
+    from ptbr.cli import main
+
+    data, out = toy_base.parent / "train.jsonl", tmp_path / "plan"
+    common = ["--mode", "finetune", "--base", str(toy_base), "--quant", "none", "--max-seq-len", "64"]
+    assert main(["preflight", *common, "--data", str(data), "--output", str(out)]) == 0
+    report = json.loads((out / "preflight_report.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["model.config"]["status"] == PASS and checks["model.tokenizer"]["status"] == PASS
+    assert checks["data.train"]["value"]["examples"] == 24 and checks["data.valid"]["status"] == WARN
+    config = json.loads((out / "recommended_config.json").read_text())
+    settings = build_settings(FinetuneConfig, config)  # `ptbr finetune --config` takes it as is
+    assert settings.base == str(toy_base) and settings.max_seq_len == 64
+    assert any("24 training examples" in r for r in config["reasons"])
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(data.read_text() + '{"messages": [{"role": "user"}]}\n', encoding="utf-8")
+    assert main(["preflight", *common, "--data", str(broken), "--output", str(tmp_path / "again")]) == 10
+    report = json.loads((tmp_path / "again" / "preflight_report.json").read_text())
+    failed = [c for c in report["checks"] if c["status"] == FAIL]
+    assert [c["name"] for c in failed] == ["data.train"] and "line 25" in failed[0]["message"]
+
+
+def test_finetune_recommended_config_is_a_finetune_config():
+    hardware, requested = MACHINES["t4"], qlora_request()
+    rec = recommend(hardware, "finetune", requested, Architecture.from_hf_config(MISTRAL_7B))
+    settings = build_settings(FinetuneConfig, json.loads(json.dumps(rec.config_file())))
+    assert (settings.batch_size, settings.grad_accum, settings.gradient_checkpointing) == (8, 2, True)
+
+
+# --------------------------------------------------------------------------------------------
+# --auto-fit
+# --------------------------------------------------------------------------------------------
+
+
+def test_halving_keeps_the_effective_batch():
+    from ptbr.train.autofit import halve
+
+    assert halve(8, 1) == (4, 2) and halve(4, 2) == (2, 4) and halve(6, 2) == (3, 4)
+    assert halve(3, 1) == (1, 3) and halve(1, 8) is None
+
+
+def test_out_of_memory_is_recognised():
+    import torch
+
+    from ptbr.train.autofit import is_out_of_memory
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    assert is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 8 GB)"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+
+
+class FakeStep:
+    """A backend whose step runs out of memory above `limit` sequences per micro-batch."""
+
+    built: list[int] = []
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def train_step(self, micro_batches, lr):
+        import torch
+
+        if len(micro_batches[0]["input_ids"]) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_auto_fit_halves_until_a_step_fits():
+    from ptbr.errors import DeviceError
+    from ptbr.train.autofit import auto_fit
+
+    built = []
+
+    def make_backend(batch_size):
+        built.append(batch_size)
+        return FakeStep(limit=3)
+
+    choice = auto_fit(make_backend, lambda b: {"input_ids": [[0]] * b}, 16, 2)
+    assert (choice.batch_size, choice.grad_accum) == (2, 16)
+    assert built == [16, 8, 4, 2]  # a fresh backend for each try
+    assert [t["result"].split(":")[0] for t in choice.tried] == ["out of memory"] * 3 + ["fits"]
+    with pytest.raises(DeviceError, match="even at micro-batch 1"):
+        auto_fit(lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
+
+
+def _oom_above(monkeypatch, limit: int, after_calls: int = 0):
+    """TorchStep.train_step raises a CUDA-style OOM for micro-batches above `limit` rows, once it
+    has been called `after_calls` times. The step itself stays real."""
+    import torch
+
+    from ptbr.train.step import TorchStep
+
+    real = TorchStep.train_step
+    calls = {"n": 0}
+
+    def step(self, micro_batches, lr):
+        calls["n"] += 1
+        if calls["n"] > after_calls and len(micro_batches[0]["input_ids"]) > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return real(self, micro_batches, lr)
+
+    monkeypatch.setattr(TorchStep, "train_step", step)
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+TRAIN = ["--model-size", "tiny", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1"]
+
+
+def test_auto_fit_chooses_a_smaller_micro_batch_and_leaves_no_trace(tmp_path, monkeypatch):
+    from ptbr.cli import main
+
+    assert main(["train", *TRAIN, "--batch-size", "2", "--grad-accum", "4", "--max-steps", "3",
+                 "--output", str(tmp_path / "plain")]) == 0
+    _oom_above(monkeypatch, limit=2)
+    fitted = tmp_path / "fitted"
+    assert main(["train", *TRAIN, "--batch-size", "8", "--grad-accum", "1", "--max-steps", "3", "--auto-fit",
+                 "--output", str(fitted)]) == 0
+    log = (fitted / "train.log").read_text()
+    assert "auto-fit chose batch_size 2 x grad_accum 4" in log
+    settings = json.loads((fitted / "run_config.json").read_text())["settings"]
+    assert (settings["batch_size"], settings["grad_accum"]) == (2, 4)
+    # the dry runs used throwaway models: the run is the one that batch 2 x 4 gives from the start
+    assert _losses(fitted) == _losses(tmp_path / "plain")
+
+
+def test_out_of_memory_mid_run_resumes_from_the_last_checkpoint(tmp_path, monkeypatch):
+    from ptbr.cli import main
+
+    # the dry run (2 calls) and 3 real steps fit at micro-batch 4; then micro-batches of 4 run out
+    _oom_above(monkeypatch, limit=2, after_calls=5)
+    run = tmp_path / "run"
+    assert main(["train", *TRAIN, "--batch-size", "4", "--grad-accum", "1", "--max-steps", "6", "--save-every", "2",
+                 "--auto-fit", "--output", str(run)]) == 0
+    log = (run / "train.log").read_text()
+    assert "out of memory during the run" in log and "batch_size 2 x grad_accum 2" in log
+    assert "resuming from" in log and "step_000002" in log
+    summary = json.loads((run / "training_summary.json").read_text())
+    assert summary["steps"] == 6
+    assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
-from ptbr.errors import OutputError
 from ptbr.log import log
+from ptbr.train.atomic import write_directory
 from ptbr.train.loop import Callbacks, LoopState
 from ptbr.train.run_dir import write_json
 
@@ -17,23 +15,14 @@ ADAPTER_META = "ptbr_adapter.json"
 
 
 def save_adapter(model, tokenizer, directory: Path, meta: dict) -> None:
-    """Write the adapter to a temporary directory, then swap it in: a crash leaves the previous one."""
-    tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
-    old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    """Write the adapter aside, then swap it in: a crash leaves the previous one."""
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
         write_json(tmp / ADAPTER_META, meta)
-        if directory.exists():
-            directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write the adapter: {exc.strerror or exc}", str(directory),
-                          "check permissions and free space of the output directory") from exc
+
+    write_directory(directory, fill, "the adapter")
 
 
 def read_adapter_meta(directory: str | Path) -> dict:

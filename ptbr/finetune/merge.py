@@ -7,13 +7,12 @@ GPU busy with training is not needed: a 7B model in bf16 takes about 15 GB of RA
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from ptbr.errors import ConfigError, ModelError, OutputError
+from ptbr.errors import ConfigError, ModelError
 from ptbr.finetune.model import check_base, load_error, refuse_prequantized
 from ptbr.log import log
+from ptbr.train.atomic import write_directory
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
@@ -46,18 +45,10 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
         raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
                          "give the --base the adapter was trained on") from exc
 
-    tmp = output.with_name(f".tmp-{output.name}-{os.getpid()}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    def fill(tmp: Path) -> None:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write the merged model: {exc.strerror or exc}", str(output),
-                          "check permissions and free space") from exc
+
+    write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base}: full model ({merged.dtype}) in {output}")
     return output

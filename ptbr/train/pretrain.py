@@ -11,6 +11,7 @@ from ptbr.data import SAMPLE_DIR
 from ptbr.data.tokens import PretrainBatches, eval_windows, open_dataset
 from ptbr.errors import DataError
 from ptbr.log import attach_run_log, detach, log
+from ptbr.train.atomic import write_directory
 from ptbr.train.lock import RunLock
 from ptbr.train.loop import LoopState, fit
 from ptbr.train.run_dir import create_run_dir, resume_point, write_json
@@ -111,10 +112,11 @@ def _run(settings: PretrainConfig, run_dir: Path, watchdog: Watchdog) -> dict:
     state = fit(backend, source, eval_batches, settings, run_dir, state, watchdog=watchdog)
     watchdog.beat("writing final/")
 
-    final = run_dir / "final"
-    final.mkdir(exist_ok=True)
-    model.save_pretrained(str(final), safe_serialization=True)
-    save_for_transformers(dataset.tokenizer_path, final)
+    def fill(directory: Path) -> None:
+        model.save_pretrained(str(directory), safe_serialization=True)
+        save_for_transformers(dataset.tokenizer_path, directory)
+
+    final = write_directory(run_dir / "final", fill, "the final model")
     from ptbr.train.metrics import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from ptbr.errors import ConfigError, OutputError
 from ptbr.log import log
+from ptbr.train.atomic import remove_leftovers
 from ptbr.train.checkpoint import latest_checkpoint, read_state
 
 
@@ -26,8 +26,8 @@ def create_run_dir(output: str) -> Path:
 
 def resume_point(run_dir: Path, resume: str) -> tuple[Path | None, dict | None]:
     """(checkpoint, its trainer state) to continue from, per --resume auto|never|PATH."""
-    for leftover in run_dir.glob("checkpoints/.tmp-step_*"):
-        shutil.rmtree(leftover, ignore_errors=True)  # a save cut short by a crash; we hold the lock
+    remove_leftovers(run_dir)  # saves cut short by a crash (the caller holds the run lock)
+    remove_leftovers(run_dir / "checkpoints")
     if resume == "never":
         return None, None
     if resume == "auto":

@@ -10,13 +10,13 @@ import platform
 import shutil
 import sys
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ptbr.errors import PtbrError
 from ptbr.memory import GIB
 from ptbr.preflight.hardware import Hardware
+from ptbr.versions import package_versions
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -116,7 +116,7 @@ def check_packages(mode: str, target: str, quant: str | None, versions: dict[str
     python_ok = sys.version_info >= (3, 10)
     checks.append(Check("packages.python", PASS if python_ok else FAIL, platform.python_version(),
                         f"Python {platform.python_version()}", None if python_ok else "use Python 3.10 or newer"))
-    versions = versions if versions is not None else _installed(MINIMUM)
+    versions = versions if versions is not None else package_versions(MINIMUM)
     needed = needed_packages(mode, target, quant)
     for name, minimum in MINIMUM.items():
         found = versions.get(name)
@@ -138,16 +138,6 @@ def check_packages(mode: str, target: str, quant: str | None, versions: dict[str
             checks.append(Check(f"packages.{name}", PASS, found,
                                 f"{name} {found}" + ("" if required else " (not needed for this run)")))
     return checks
-
-
-def _installed(names) -> dict[str, str | None]:
-    found = {}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 # --------------------------------------------------------------------------------------------

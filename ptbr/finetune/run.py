@@ -14,10 +14,10 @@ from ptbr.errors import ConfigError, DataError
 from ptbr.finetune.adapter import KeepBestAdapter
 from ptbr.finetune.batches import ChatBatches, fixed_batches
 from ptbr.finetune.data import JsonlReport, inspect_jsonl, problems_summary
-from ptbr.log import attach_run_log, detach, log
-from ptbr.train.lock import RunLock
+from ptbr.log import log
 from ptbr.train.loop import LoopState, fit
-from ptbr.train.run_dir import create_run_dir, resume_point, write_json
+from ptbr.train.metrics import loss_summary
+from ptbr.train.run_dir import open_run, resume_point, write_json
 from ptbr.train.watchdog import Watchdog
 from ptbr.versions import package_versions
 
@@ -38,24 +38,19 @@ class FinetuneResult:
 
 
 def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
-    run_dir = create_run_dir(settings.output)
-    with RunLock(run_dir):
-        handler = attach_run_log(run_dir)
-        try:
-            with Watchdog(run_dir, settings.hang_timeout, settings.hang_action) as watchdog:
-                result = _run(settings, run_dir, watchdog)
-            if settings.merge:
-                # outside the watchdog: loading and merging a 7B base on the CPU takes minutes
-                # without a step to report
-                from ptbr.finetune.merge import merge_adapter
+    with open_run(settings.output) as run_dir:
+        with Watchdog(run_dir, settings.hang_timeout, settings.hang_action) as watchdog:
+            result = _run(settings, run_dir, watchdog)
+        if settings.merge:
+            # outside the watchdog: loading and merging a 7B base on the CPU takes minutes
+            # without a step to report
+            from ptbr.finetune.merge import merge_adapter
 
-                merged = merge_adapter(settings.base, run_dir / "adapters", run_dir / "merged",
-                                       trust_remote_code=settings.trust_remote_code)
-                result.summary["merged"] = str(merged)
-                write_json(run_dir / "training_summary.json", result.summary)
-            return result
-        finally:
-            detach(handler)
+            merged = merge_adapter(settings.base, run_dir / "adapters", run_dir / "merged",
+                                   trust_remote_code=settings.trust_remote_code)
+            result.summary["merged"] = str(merged)
+            write_json(run_dir / "training_summary.json", result.summary)
+        return result
 
 
 def data_paths(data: str, valid: str | None) -> tuple[Path, Path | None]:
@@ -189,19 +184,11 @@ def _run(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> Finetun
     if eval_batches is None:
         keeper.save(state.step, None)
 
-    from ptbr.train.metrics import read_metrics
-
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    losses = [r["loss"] for r in rows if r.get("loss") is not None]
-    val_losses = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     summary = {
         "steps": state.step,
         "epochs": round(state.step / source.steps_per_epoch, 3),
         "tokens_seen": state.tokens_seen,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
-        "first_val_loss": val_losses[0] if val_losses else None,
-        "final_val_loss": val_losses[-1] if val_losses else None,
+        **loss_summary(run_dir),
         "best_val_loss": state.best_val_loss,
         "best_step": state.best_step,
         "skipped_steps": state.skipped_steps,

@@ -48,6 +48,19 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def loss_summary(run_dir: Path) -> dict:
+    """First and last training and validation losses of a run, for training_summary.json."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    val_losses = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    return {
+        "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "first_val_loss": val_losses[0] if val_losses else None,
+        "final_val_loss": val_losses[-1] if val_losses else None,
+    }
+
+
 def _clean(value):
     # JSON has no NaN; a skipped step's loss is written as null
     if isinstance(value, float) and not math.isfinite(value):

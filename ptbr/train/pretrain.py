@@ -10,29 +10,24 @@ from ptbr.config import PretrainConfig, get_preset
 from ptbr.data import SAMPLE_DIR
 from ptbr.data.tokens import PretrainBatches, eval_windows, open_dataset
 from ptbr.errors import DataError
-from ptbr.log import attach_run_log, detach, log
+from ptbr.log import log
 from ptbr.train.atomic import write_directory
-from ptbr.train.lock import RunLock
 from ptbr.train.loop import LoopState, fit
-from ptbr.train.run_dir import create_run_dir, resume_point, write_json
+from ptbr.train.metrics import loss_summary
+from ptbr.train.run_dir import open_run, resume_point, write_json
 from ptbr.train.watchdog import Watchdog
 from ptbr.versions import package_versions
 
 
 def run_pretrain(settings: PretrainConfig) -> dict:
     """Pretrain a preset from scratch; returns training_summary.json's contents."""
-    run_dir = create_run_dir(settings.output)
-    with RunLock(run_dir):
-        handler = attach_run_log(run_dir)
-        try:
-            with Watchdog(run_dir, settings.hang_timeout, settings.hang_action) as watchdog:
-                if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
-                    from ptbr.train.autofit import resume_smaller_on_oom
+    with open_run(settings.output) as run_dir, \
+            Watchdog(run_dir, settings.hang_timeout, settings.hang_action) as watchdog:
+        if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
+            from ptbr.train.autofit import resume_smaller_on_oom
 
-                    return resume_smaller_on_oom(lambda s: _run(s, run_dir, watchdog), settings, run_dir)
-                return _run(settings, run_dir, watchdog)
-        finally:
-            detach(handler)
+            return resume_smaller_on_oom(lambda s: _run(s, run_dir, watchdog), settings, run_dir)
+        return _run(settings, run_dir, watchdog)
 
 
 def build_backend(settings: PretrainConfig, dataset, preset, placement):
@@ -117,15 +112,10 @@ def _run(settings: PretrainConfig, run_dir: Path, watchdog: Watchdog) -> dict:
         save_for_transformers(dataset.tokenizer_path, directory)
 
     final = write_directory(run_dir / "final", fill, "the final model")
-    from ptbr.train.metrics import read_metrics
-
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    losses = [r["loss"] for r in rows if r.get("loss") is not None]
     summary = {
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
-        "first_loss": losses[0] if losses else None,
-        "final_loss": losses[-1] if losses else None,
+        **loss_summary(run_dir),
         "best_val_loss": state.best_val_loss,
         "best_step": state.best_step,
         "skipped_steps": state.skipped_steps,

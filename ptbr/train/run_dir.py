@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ptbr.errors import ConfigError, OutputError
-from ptbr.log import log
+from ptbr.log import attach_run_log, detach, log
 from ptbr.train.atomic import remove_leftovers
 from ptbr.train.checkpoint import latest_checkpoint, read_state
+from ptbr.train.lock import RunLock
 
 
 def create_run_dir(output: str) -> Path:
@@ -22,6 +25,19 @@ def create_run_dir(output: str) -> Path:
         raise OutputError(f"cannot create or write the output directory: {exc.strerror or exc}", str(run_dir),
                           "choose a path you can write to with --output") from exc
     return run_dir
+
+
+@contextmanager
+def open_run(output: str) -> Iterator[Path]:
+    """The run directory, created, locked against a second run, and logged to train.log while
+    the `with` block runs."""
+    run_dir = create_run_dir(output)
+    with RunLock(run_dir):
+        handler = attach_run_log(run_dir)
+        try:
+            yield run_dir
+        finally:
+            detach(handler)
 
 
 def resume_point(run_dir: Path, resume: str) -> tuple[Path | None, dict | None]:

@@ -251,10 +251,6 @@ class FinetuneConfig(LoopSettings):
             found.append(f"lora_alpha must be a finite number > 0, got {self.lora_alpha!r}")
         if not _finite(self.lora_dropout) or not 0 <= self.lora_dropout < 1:
             found.append(f"lora_dropout must be within [0, 1), got {self.lora_dropout!r}")
-        if self.auto_fit:
-            # not silently ignored: fine-tuning's dry run would reload the (quantized) base per try
-            found.append("auto_fit is not available for finetune yet; run `ptbr preflight --mode finetune` "
-                         "and use its recommended_config.json")
         if self.target_modules is not None and not [m for m in self.target_modules.split(",") if m.strip()]:
             found.append("target_modules must name at least one module, e.g. q_proj,v_proj")
         return found

@@ -59,6 +59,33 @@ def dataset_dir(tmp_path, corpus_dir) -> Path:
     return out
 
 
+@pytest.fixture
+def oom_above(monkeypatch):
+    """oom_above(limit, after_calls=0): TorchStep.train_step raises a CUDA-style out-of-memory for
+    micro-batches of more than `limit` rows, once it has been called `after_calls` times. The
+    step itself stays real. Returns the (rows, width) of every call's first micro-batch."""
+    import numpy as np
+    import torch
+
+    from ptbr.train.step import TorchStep
+
+    real = TorchStep.train_step
+    sizes: list[tuple[int, int]] = []
+
+    def install(limit: int, after_calls: int = 0) -> list[tuple[int, int]]:
+        def step(self, micro_batches, lr):
+            rows, width = np.asarray(micro_batches[0]["input_ids"]).shape
+            sizes.append((rows, width))
+            if len(sizes) > after_calls and rows > limit:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+            return real(self, micro_batches, lr)
+
+        monkeypatch.setattr(TorchStep, "train_step", step)
+        return sizes
+
+    return install
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None):
     """The real `ptbr` CLI in a subprocess (python -m ptbr)."""
     full_env = dict(os.environ, **(env or {}))

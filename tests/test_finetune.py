@@ -306,3 +306,110 @@ def test_errors_are_one_line_with_their_exit_codes(toy, trained, tmp_path, capsy
 
     code, err = error_of("merge", "--base", str(toy.base), "--adapter", str(tmp_path), "--output", str(tmp_path / "m"))
     assert code == 4 and "no adapter_config.json" in err
+
+
+# --------------------------------------------------------------------------------------------
+# --auto-fit (out-of-memory injected into the real step: tests/conftest.py oom_above)
+# --------------------------------------------------------------------------------------------
+
+
+def _count_base_loads(monkeypatch) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained
+    loads: list[str] = []
+
+    def counted(source, *args, **kwargs):
+        loads.append(str(source))
+        return real(source, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counted)
+    return loads
+
+
+def _rows(run: Path) -> list[tuple]:
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in
+            (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_auto_fit_loads_the_base_once_and_runs_as_the_size_it_chose(toy, tmp_path, oom_above, monkeypatch):
+    """QLoRA 4-bit: micro-batches above 2 rows run out of memory. --auto-fit tries 8, 4, then 2
+    (x grad_accum 4) on the longest examples, reusing the loaded base; the run is then exactly the
+    run that 2 x 4 gives from the start: same losses, same adapter."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ptbr.cli import main
+    from ptbr.finetune.data import inspect_jsonl
+    from ptbr.finetune.model import load_tokenizer
+
+    common = ["finetune", "--base", str(toy.base), "--data", str(toy.data), "--quant", "4bit", "--lora-r", "8",
+              "--learning-rate", "1e-2", "--max-steps", "3", "--eval-every", "3", "--lora-dropout", "0.1"]
+    assert main([*common, "--batch-size", "2", "--grad-accum", "4", "--output", str(tmp_path / "plain")]) == 0
+
+    loads = _count_base_loads(monkeypatch)
+    sizes = oom_above(limit=2)
+    fitted = tmp_path / "fitted"
+    assert main([*common, "--batch-size", "8", "--grad-accum", "1", "--auto-fit", "--output", str(fitted)]) == 0
+    assert len(loads) == 1
+    longest = max(len(e.ids) for e in inspect_jsonl(toy.data / "train.jsonl", load_tokenizer(str(toy.base)),
+                                                    1024, False).examples) - 1
+    # the tries (8 and 4 fail, 2 runs its two dry-run steps), all padded to the longest example; then the run
+    assert sizes[:4] == [(8, longest), (4, longest), (2, longest), (2, longest)]
+    assert [rows for rows, _ in sizes[4:]] == [2, 2, 2]
+    assert "auto-fit chose batch_size 2 x grad_accum 4 (8 x 1: out of memory" in (fitted / "train.log").read_text()
+    settings_used = json.loads((fitted / "run_config.json").read_text())["settings"]
+    assert (settings_used["batch_size"], settings_used["grad_accum"]) == (2, 4)
+    assert _rows(fitted) == _rows(tmp_path / "plain")
+    a, b = (load_file(run / "adapters" / "adapter_model.safetensors") for run in (fitted, tmp_path / "plain"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_out_of_memory_mid_run_continues_smaller_from_the_last_checkpoint(toy, tmp_path, oom_above, monkeypatch):
+    """Micro-batches of 4 fit the dry run and two steps, then run out of memory: the run goes on
+    from step 2's checkpoint at 2 x 2 without reloading the base. A step covers the same examples
+    either way, so its losses are those of an undisturbed 4 x 1 run (up to float summation order)."""
+    from ptbr.finetune.run import run_finetune
+
+    common = dict(batch_size=4, grad_accum=1, max_steps=5, save_every=2, eval_every=0, lora_dropout=0.0)
+    straight = tmp_path / "straight"
+    run_finetune(settings(toy, straight, **common))
+
+    loads = _count_base_loads(monkeypatch)
+    oom_above(limit=2, after_calls=4)  # dry run (2 calls) + steps 1 and 2 at 4 rows; step 3 fails
+    run = tmp_path / "run"
+    result = run_finetune(settings(toy, run, auto_fit=True, **common))
+    assert len(loads) == 1
+    log = (run / "train.log").read_text()
+    assert "out of memory during the run" in log and "batch_size 2 x grad_accum 2 (was 4 x 1)" in log
+    config = json.loads((run / "run_config.json").read_text())
+    assert config["resumed_from"].endswith("step_000002")
+    assert (config["settings"]["batch_size"], config["settings"]["grad_accum"]) == (2, 2)
+    assert result.summary["steps"] == 5
+    got, want = _rows(run), _rows(straight)
+    assert [r[0] for r in got] == [1, 2, 3, 4, 5]
+    assert got[:2] == want[:2]
+    assert [r[1] for r in got] == pytest.approx([r[1] for r in want], rel=1e-5)
+
+
+def test_auto_fit_on_cpu_asks_the_memory_model_before_running_a_size(toy, tmp_path, monkeypatch, capsys):
+    """On CPU an out-of-memory is the kernel killing the process, so sizes the memory model says
+    exceed the available RAM are skipped; with (almost) no RAM left, even micro-batch 1 is refused
+    in one line with exit code 5, before any step runs."""
+    from collections import namedtuple
+
+    import psutil
+
+    from ptbr.cli import main
+    from ptbr.train.step import TorchStep
+
+    memory = namedtuple("memory", "total available percent used free")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(24 << 30, 1000, 100.0, 24 << 30, 1000))
+    monkeypatch.setattr(TorchStep, "train_step", lambda *a: pytest.fail("no step may run"))
+    code = main(["finetune", "--base", str(toy.base), "--data", str(toy.data), "--quant", "none", "--batch-size", "4",
+                 "--auto-fit", "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 5
+    assert "out of memory even at micro-batch 1 (skipped, the memory model predicts" in err[-1]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert all(f"micro-batch {b} x grad_accum {4 // b}: skipped" in log for b in (4, 2, 1))

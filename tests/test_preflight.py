@@ -367,25 +367,6 @@ def test_auto_fit_halves_until_a_step_fits():
         auto_fit(lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
 
 
-def _oom_above(monkeypatch, limit: int, after_calls: int = 0):
-    """TorchStep.train_step raises a CUDA-style OOM for micro-batches above `limit` rows, once it
-    has been called `after_calls` times. The step itself stays real."""
-    import torch
-
-    from ptbr.train.step import TorchStep
-
-    real = TorchStep.train_step
-    calls = {"n": 0}
-
-    def step(self, micro_batches, lr):
-        calls["n"] += 1
-        if calls["n"] > after_calls and len(micro_batches[0]["input_ids"]) > limit:
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
-        return real(self, micro_batches, lr)
-
-    monkeypatch.setattr(TorchStep, "train_step", step)
-
-
 def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -393,12 +374,12 @@ def _losses(run: Path) -> list[float]:
 TRAIN = ["--model-size", "tiny", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1"]
 
 
-def test_auto_fit_chooses_a_smaller_micro_batch_and_leaves_no_trace(tmp_path, monkeypatch):
+def test_auto_fit_chooses_a_smaller_micro_batch_and_leaves_no_trace(tmp_path, oom_above):
     from ptbr.cli import main
 
     assert main(["train", *TRAIN, "--batch-size", "2", "--grad-accum", "4", "--max-steps", "3",
                  "--output", str(tmp_path / "plain")]) == 0
-    _oom_above(monkeypatch, limit=2)
+    oom_above(limit=2)
     fitted = tmp_path / "fitted"
     assert main(["train", *TRAIN, "--batch-size", "8", "--grad-accum", "1", "--max-steps", "3", "--auto-fit",
                  "--output", str(fitted)]) == 0
@@ -410,11 +391,11 @@ def test_auto_fit_chooses_a_smaller_micro_batch_and_leaves_no_trace(tmp_path, mo
     assert _losses(fitted) == _losses(tmp_path / "plain")
 
 
-def test_out_of_memory_mid_run_resumes_from_the_last_checkpoint(tmp_path, monkeypatch):
+def test_out_of_memory_mid_run_resumes_from_the_last_checkpoint(tmp_path, oom_above):
     from ptbr.cli import main
 
     # the dry run (2 calls) and 3 real steps fit at micro-batch 4; then micro-batches of 4 run out
-    _oom_above(monkeypatch, limit=2, after_calls=5)
+    oom_above(limit=2, after_calls=5)
     run = tmp_path / "run"
     assert main(["train", *TRAIN, "--batch-size", "4", "--grad-accum", "1", "--max-steps", "6", "--save-every", "2",
                  "--auto-fit", "--output", str(run)]) == 0

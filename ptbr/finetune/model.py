@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptbr.errors import ConfigError, DeviceError, ModelError
@@ -23,6 +23,23 @@ class AdaptedModel:
     target_modules: list[str]
     trainable_parameters: int
     total_parameters: int  # of the base + adapter, counting 4-bit weights as unpacked
+    initial: dict = field(default_factory=dict, repr=False)  # trainable name -> its seeded start (on CPU)
+
+    def __post_init__(self) -> None:
+        if not self.initial:
+            self.initial = {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
+                            if p.requires_grad}
+
+    def reset(self) -> None:
+        """The adapter back to its seeded initialisation, gradients dropped: --auto-fit's tries and
+        a retry after an out-of-memory start from here without reloading the (quantized) base."""
+        import torch
+
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in self.initial:
+                    param.copy_(self.initial[name])
+                    param.grad = None
 
 
 def check_base(base: str) -> None:

@@ -22,9 +22,10 @@ from ptbr.train.watchdog import Watchdog
 from ptbr.versions import package_versions
 
 # Settings a resumed run must share with the run it continues, or its data position and adapter
-# shapes would mean something else. (max_steps, epochs, eval/save cadence may change.)
+# shapes would mean something else. (max_steps, epochs, eval/save cadence may change, and so may
+# the split of the effective batch into batch_size x grad_accum: a step covers the same examples.)
 RESUME_MUST_MATCH = ("base", "quant", "lora_r", "lora_alpha", "target_modules", "max_seq_len", "drop_long",
-                     "batch_size", "grad_accum", "seed")
+                     "effective_batch", "seed")
 
 
 @dataclass
@@ -40,7 +41,13 @@ class FinetuneResult:
 def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
     with open_run(settings.output) as run_dir:
         with Watchdog(run_dir, settings.hang_timeout, settings.hang_action) as watchdog:
-            result = _run(settings, run_dir, watchdog)
+            loaded = _load(settings, run_dir, watchdog)
+            if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
+                from ptbr.train.autofit import resume_smaller_on_oom
+
+                result = resume_smaller_on_oom(lambda s: _train(s, loaded, run_dir, watchdog), settings, run_dir)
+            else:
+                result = _train(settings, loaded, run_dir, watchdog)
         if settings.merge:
             # outside the watchdog: loading and merging a 7B base on the CPU takes minutes
             # without a step to report
@@ -103,7 +110,9 @@ def _check_resume(run_dir: Path, checkpoint: Path, settings: FinetuneConfig, tra
         return
     before = previous.get("settings", {}) | {"train_examples": previous.get("train_examples")}
     now = dataclasses.asdict(settings) | {"train_examples": train_examples}
-    for values in (before, now):  # the same local base, whatever the working directory
+    for values in (before, now):
+        values["effective_batch"] = values.get("batch_size", 0) * values.get("grad_accum", 0)
+        # the same local base, whatever the working directory
         if values.get("base") and Path(values["base"]).expanduser().exists():
             values["base"] = str(Path(values["base"]).expanduser().resolve())
     changed = [f"{key} {before[key]!r} -> {now[key]!r}" for key in RESUME_MUST_MATCH + ("train_examples",)
@@ -113,12 +122,23 @@ def _check_resume(run_dir: Path, checkpoint: Path, settings: FinetuneConfig, tra
                           "run with the settings of the first run, or start anew with --resume never or a new --output")
 
 
-def _run(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> FinetuneResult:
-    import torch
+@dataclass
+class Loaded:
+    """What a run loads once, and a retry after an out-of-memory reuses."""
 
+    placement: object
+    tokenizer: object
+    pad_id: int
+    train: JsonlReport
+    valid: JsonlReport | None
+    adapted: object  # ptbr.finetune.model.AdaptedModel
+
+
+def _load(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> Loaded:
+    """Device, tokenizer, checked data, then the base + LoRA (last: a 7B base takes minutes, and
+    everything that can fail on the settings fails before it)."""
     from ptbr.finetune.model import load_model, load_tokenizer
     from ptbr.train.device import resolve_device, resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer
 
     placement = resolve_precision(resolve_device(settings.device), settings.precision)
     log(f"device {placement.device}, precision {placement.precision} ({placement.reason}), base weights {settings.quant}")
@@ -126,6 +146,30 @@ def _run(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> Finetun
     tokenizer = load_tokenizer(settings.base, settings.trust_remote_code)
     train, valid = load_data(settings, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    checkpoint, _ = resume_point(run_dir, settings.resume)
+    if checkpoint is not None:
+        _check_resume(run_dir, checkpoint, settings, len(train.examples))
+    adapted = load_model(settings, placement)
+    positions = getattr(adapted.model.config, "max_position_embeddings", None)
+    longest = max(len(e.ids) for e in train.examples + (valid.examples if valid else []))
+    if positions and longest > positions:
+        raise ConfigError(f"examples of up to {longest} tokens exceed the base model's {positions} positions",
+                          "--max-seq-len", f"use --max-seq-len {positions} or less")
+    return Loaded(placement, tokenizer, pad_id, train, valid, adapted)
+
+
+def _train(settings: FinetuneConfig, loaded: Loaded, run_dir: Path, watchdog: Watchdog) -> FinetuneResult:
+    import torch
+
+    from ptbr.train.step import TorchStep, build_optimizer
+
+    placement, tokenizer, pad_id, train, valid, adapted = (
+        loaded.placement, loaded.tokenizer, loaded.pad_id, loaded.train, loaded.valid, loaded.adapted)
+    adapted.reset()  # a retry after an out-of-memory starts from the seeded adapter (or its checkpoint)
+    if settings.auto_fit:
+        from ptbr.train.autofit import auto_fit_finetune
+
+        settings = auto_fit_finetune(settings, adapted, train.examples, pad_id, placement)
     source = ChatBatches(train.examples, settings.batch_size, settings.grad_accum, settings.seed, pad_id)
     settings = settings.resolve_steps(source.steps_per_epoch)
     log(f"{len(train.examples)} training examples ({train.schema}), {source.steps_per_epoch} steps per epoch "
@@ -143,13 +187,7 @@ def _run(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> Finetun
     checkpoint, saved = resume_point(run_dir, settings.resume)
     if checkpoint is not None:
         _check_resume(run_dir, checkpoint, settings, len(train.examples))
-    adapted = load_model(settings, placement)
     model = adapted.model
-    positions = getattr(model.config, "max_position_embeddings", None)
-    longest = max(len(e.ids) for e in train.examples + (valid.examples if valid else []))
-    if positions and longest > positions:
-        raise ConfigError(f"examples of up to {longest} tokens exceed the base model's {positions} positions",
-                          "--max-seq-len", f"use --max-seq-len {positions} or less")
     backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, settings.max_grad_norm)
     # LoRA dropout draws from torch's global generator: seed it once, here at the start of the run;
     # every checkpoint saves its state and a resumed run restores it (load_state).

@@ -3,8 +3,9 @@
 On an out-of-memory the micro-batch is halved and grad_accum doubled, so the effective batch (and
 with it the learning-rate schedule and the data each step sees) stays the same. Each try builds a
 fresh model and optimizer and throws them away: nothing from the dry run reaches the real run,
-which starts from the same seeded initialisation as it would without --auto-fit. An
-out-of-memory later in the run is handled the same way, resuming from the last checkpoint.
+which starts from the same seeded initialisation as it would without --auto-fit (fine-tuning
+keeps its base loaded and resets only the adapter). An out-of-memory later in the run is handled
+the same way, resuming from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -155,17 +156,70 @@ def auto_fit_pretrain(settings, dataset, preset, placement, build_backend: Calla
     return dataclasses.replace(settings, batch_size=choice.batch_size, grad_accum=choice.grad_accum)
 
 
+def auto_fit_finetune(settings, adapted, examples: list, pad_id: int, placement) -> Any:
+    """--auto-fit for `ptbr finetune`: the dry run pads its micro-batch to the longest examples,
+    as the worst micro-batch of the run will be. The base is loaded once; each try starts the
+    adapter from its seeded initialisation (AdaptedModel.reset) with a fresh optimizer, and the
+    run starts from there too. Returns the settings with the batch_size and grad_accum that fit."""
+    from ptbr.finetune.batches import collate
+    from ptbr.train.step import TorchStep, build_optimizer
+
+    longest_first = sorted(examples, key=lambda e: len(e.ids), reverse=True)
+
+    def make_backend(batch_size: int):
+        adapted.reset()
+        model = adapted.model
+        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, settings.max_grad_norm)
+
+    def longest_batch(batch_size: int) -> dict:
+        return collate(longest_first[:batch_size], pad_id)
+
+    too_big = None
+    if placement.device.type == "cpu":
+        too_big = _lora_ram_guard(adapted.model, settings, len(longest_first[0].ids) - 1, placement.precision)
+    try:
+        choice = auto_fit(make_backend, longest_batch, settings.batch_size, settings.grad_accum, too_big)
+    finally:
+        adapted.reset()
+    return dataclasses.replace(settings, batch_size=choice.batch_size, grad_accum=choice.grad_accum)
+
+
 def _ram_guard(preset, vocab_size: int, settings, precision: str) -> Callable[[int], str | None]:
     """On CPU, running out of memory means the kernel kills the process: ask the memory model first."""
-    import psutil
-
-    from ptbr.memory import GIB, Architecture, estimate_training_memory
+    from ptbr.memory import Architecture, estimate_training_memory
 
     arch = Architecture.from_preset(preset, vocab_size)
+    return _guard(lambda b: estimate_training_memory(arch, b, settings.seq_len, precision,
+                                                     settings.gradient_checkpointing).total)
+
+
+def _lora_ram_guard(model, settings, seq_len: int, precision: str) -> Callable[[int], str | None] | None:
+    """The same for fine-tuning, where the base is already loaded: only what a step adds must fit."""
+    from ptbr.memory import Architecture
+    from ptbr.preflight.recommend import estimate
+
+    try:
+        arch = Architecture.from_hf_config(model.config.to_dict())
+    except (KeyError, TypeError, ValueError):
+        log("auto-fit: the memory model does not know this architecture; every size is tried for real")
+        return None
+    requested = dataclasses.asdict(settings)
+
+    def step_bytes(batch_size: int) -> int:
+        predicted = estimate("finetune", arch, requested, "cpu", batch_size, seq_len, precision,
+                             settings.gradient_checkpointing)
+        return predicted.total - predicted.weights - predicted.overhead  # those are in RAM already
+
+    return _guard(step_bytes)
+
+
+def _guard(needed_bytes: Callable[[int], int]) -> Callable[[int], str | None]:
+    import psutil
+
+    from ptbr.memory import GIB
 
     def too_big(batch_size: int) -> str | None:
-        needed = estimate_training_memory(arch, batch_size, settings.seq_len, precision,
-                                          settings.gradient_checkpointing).total
+        needed = needed_bytes(batch_size)
         available = psutil.virtual_memory().available
         if needed > available:
             return f"the memory model predicts {needed / GIB:.1f} GiB, {available / GIB:.1f} GiB of RAM is available"

@@ -54,11 +54,13 @@ def preflight(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """The memory model's predicted peaks against measured ones (the README's accuracy table).
+    """The memory model's predicted peaks against measured ones (the README's accuracy tables):
+    pretraining, then LoRA/QLoRA.
 
-    The CPU grid takes about 10 minutes on 2 cores; on a GPU machine with a CUDA torch, `-- --device cuda`."""
-    install_ptbr(session, "dev")
+    The CPU grids take about 15 minutes on 2 cores; on a GPU machine with a CUDA torch, `-- --device cuda`."""
+    install_ptbr(session, "finetune,dev")
     session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
+    session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *session.posargs)
 
 
 # --- container images (docker/build.py holds the logic; see docker/README.md) -------------------

@@ -166,26 +166,35 @@ def _layer_inventory(arch: Architecture, precision: str) -> int:
     return fp32_part + casts + 2 * (a + 2 * kv + a + 4 * i) + small
 
 
-def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, rank: int, dropout: bool,
-                          targets: int) -> int:
+def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, rank: int, dropout_mask: int,
+                          targets: tuple[str, ...]) -> int:
     """Bytes one decoder layer of a frozen base with LoRA adapters saves, per token.
 
-    Counted from the tensors autograd saves (tests/test_memory.py): a frozen Linear keeps no
-    input, so what stays is each RMSNorm's fp32 input, the MLP's gate, silu(gate) and up (in the
-    input's dtype behind a quantized Linear, fp32 after prepare_model_for_kbit_training; else
-    the compute dtype), attention's RoPE'd q and k, v and output, and the adapters' inputs: under
-    autocast peft casts each adapted Linear's input to fp32 and autocast back, one 16-bit copy
-    per adapter (q, k, v, gate and up each copy the same norm output); in fp32 they share it.
-    Dropout keeps a mask per adapted input (1 byte with CUDA's fused dropout).
+    Counted from the tensors autograd saves (tests/test_memory.py checks it tensor for tensor): a
+    frozen Linear keeps no input, so what stays is each RMSNorm's fp32 input and rsqrt, attention's
+    RoPE'd q, k, v and output (+ log-sum-exp), the MLP's gate, silu(gate) and up (in the input's
+    dtype behind a quantized Linear, fp32 after prepare_model_for_kbit_training; else the compute
+    dtype), and what each adapter keeps: its A's input and its B's input (rank values).
+      An adapter's A input: under autocast peft casts the Linear's input to fp32 and autocast casts
+      it back, one 16-bit copy per adapter. In fp32 without dropout adapters share their input
+      (q, k, v the first norm's output, gate and up the second's, o attention's output, saved
+      already); with dropout each adapter keeps its own dropout output.
+    Dropout also keeps a mask per adapted input: `dropout_mask` bytes per value (a bool on CUDA,
+    an fp32 noise tensor elsewhere; peft drops out the fp32 input).
     """
     h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
-    mixed = compute < 4
-    norms = 2 * 4 * h
+    inputs = {"q": h, "k": h, "v": h, "o": a, "gate": h, "up": h, "down": i}
+    every = sum(inputs[t] for t in targets)  # one value per adapter and input feature
+    if compute < 4 or dropout_mask:
+        adapted_inputs = compute * every
+    else:  # fp32, no dropout: the distinct tensors the adapters read (o's is attention's output)
+        shared = (h if {"q", "k", "v"} & set(targets) else 0) + (h if {"gate", "up"} & set(targets) else 0)
+        adapted_inputs = 4 * (shared + (i if "down" in targets else 0))
+    norms = 2 * (4 * h + 4)  # fp32 input and rsqrt of both RMSNorms
     mlp = (4 if quantized else compute) * 3 * i
-    adapted_inputs = (5 * h + a + i) if mixed else (2 * h + a + i)
-    lora = compute * adapted_inputs + compute * rank * targets + ((5 * h + a + i) if dropout else 0)
-    attention = compute * (a + 2 * kv + a) + 4 * heads + 2 * 4  # RoPE'd q, k, v, output; lse; rsqrt
-    return norms + mlp + lora + attention
+    attention = compute * (a + 2 * kv + a) + 4 * heads
+    lora = adapted_inputs + compute * rank * len(targets) + dropout_mask * every
+    return norms + mlp + attention + lora
 
 
 def _head_bytes_per_token(arch: Architecture, precision: str) -> int:
@@ -235,14 +244,17 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
 def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora_rank: int,
                          quant: str | None = "nf4", precision: str = "bf16", gradient_checkpointing: bool = False,
                          lora_dropout: bool = True, overhead: int = 0,
-                         targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")) -> MemoryEstimate:
+                         targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down"),
+                         device: str = "cuda") -> MemoryEstimate:
     """Predicted peak bytes of LoRA (quant=None) or QLoRA (quant="nf4", "int8"; "mlx4" on MLX), as
     ptbr.finetune.model builds it.
 
     Quantized: the decoder's Linear weights are packed; peft's prepare_model_for_kbit_training
     casts embeddings, lm_head and norms to fp32, so the residual stream is fp32 too. Not
     quantized: the base in the compute dtype. Adapters train in fp32 with AdamW. Derived from the
-    tensors autograd saves on CPU; no GPU measurement yet (see the README table).
+    tensors autograd saves on CPU, and checked against the allocated peak of real CPU steps
+    (tests/test_memory.py); `device` only sets the size of dropout's masks. No GPU measurement
+    yet (see the README table).
     """
     if quant is not None and quant not in QUANT_BYTES:
         raise ValueError(f"unknown quantization {quant!r} (known: None, {', '.join(QUANT_BYTES)})")
@@ -259,25 +271,45 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         base = round(QUANT_BYTES[quant] * arch.linear_parameters) + 4 * other
         residual = 4
     adapters = arch.lora_parameters(lora_rank, targets)
-    per_layer = _lora_layer_inventory(arch, compute, quant is not None, lora_rank, lora_dropout, len(targets)) * tokens
+    mask = (1 if device == "cuda" else 4) if lora_dropout else 0
+    per_layer = _lora_layer_inventory(arch, compute, quant is not None, lora_rank, mask, targets) * tokens
     head = (8 + 4 * arch.hidden_size + 4) * tokens  # ids, the final RMSNorm's fp32 input, rsqrt
+    head += 2 * seq_len * arch.attention_dim // arch.num_heads * residual  # RoPE's cos and sin, shared by the layers
+    if not gradient_checkpointing:
+        # the embeddings are frozen, so nothing before the first adapter needs a gradient: the first
+        # layer's RMSNorm saves nothing, nor does dropout in front of q, k and v (with checkpointing
+        # peft makes the embedding output require a gradient, and the first layer is like the others)
+        head -= (4 * arch.hidden_size + 4 + mask * arch.hidden_size * len({"q", "k", "v"} & set(targets))) * tokens
     # autocast's 16-bit copy of the fp32 lm_head, saved to pass gradients to its input
     lm_head_copy = compute * arch.lm_head_parameters if compute < residual else 0
+    # and of every fp32 adapter matrix, cached until the forward pass ends and saved for the
+    # backward pass (with checkpointing only the recomputed layer's are)
+    adapter_copies = compute * adapters if compute < 4 else 0
     # a quantized Linear is dequantized for its matmul (to the input's dtype, then autocast's), one at a time
     dequantized = (residual + compute) * arch.hidden_size * max(arch.intermediate_size, arch.attention_dim) if quant else 0
     if gradient_checkpointing:
         activations = arch.num_layers * residual * arch.hidden_size * tokens + head
-        working = 2 * per_layer + dequantized
+        # the recomputed layer's saved tensors, and three intermediate-sized tensors more at once
+        # in its MLP (gradients, and a projection's output before the adapter's is added; measured)
+        mlp_grad = 4 if quant is not None else compute
+        working = per_layer + 3 * mlp_grad * arch.intermediate_size * tokens + dequantized + adapter_copies // arch.num_layers
+        if quant is None and compute < 4:
+            # peft's fp32 casts of a 16-bit input are real copies here (behind a quantized base the
+            # stream is fp32 already): two intermediate-sized ones are alive at the peak (measured)
+            working += 2 * 4 * arch.intermediate_size * tokens
+        held_copies = lm_head_copy
     else:
         activations = arch.num_layers * per_layer + head
         working = per_layer + dequantized
+        held_copies = lm_head_copy + adapter_copies
     logits = 3 * 4 * tokens * arch.vocab_size
     resident = base + 16 * adapters + overhead  # adapters: fp32 weights, gradients, AdamW state
     return MemoryEstimate(
         precision=precision, weights=base + 4 * adapters, gradients=4 * adapters, optimizer=8 * adapters,
-        activations=activations, logits=logits, overhead=overhead, weight_copies=lm_head_copy,
-        forward_end=resident + activations + lm_head_copy + dequantized + compute * tokens * arch.vocab_size,
-        backward_start=resident + activations + lm_head_copy + logits,
+        activations=activations, logits=logits, overhead=overhead, weight_copies=lm_head_copy + adapter_copies,
+        forward_end=(resident + activations + lm_head_copy + adapter_copies + dequantized
+                     + compute * tokens * arch.vocab_size),
+        backward_start=resident + activations + held_copies + logits,
         backward_end=resident + working,
         quant=quant,
     )

@@ -157,3 +157,91 @@ def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batc
     predicted = estimate_training_memory(Architecture.from_preset(preset, vocab), batch, seq, precision,
                                          checkpointing).total
     assert predicted == pytest.approx(measured, rel=0.01)
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA and QLoRA: a tiny Mistral (GQA) base on disk, loaded the way `ptbr finetune` loads it
+# --------------------------------------------------------------------------------------------
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _lora_backend(tmp_path, layers: int, quant: str, precision: str, dropout: float, checkpointing: bool = False,
+                  target_modules: str | None = None):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from ptbr.config import FinetuneConfig
+    from ptbr.finetune.model import load_model
+    from ptbr.train.device import resolve_precision
+    from ptbr.train.step import TorchStep, build_optimizer
+
+    base = tmp_path / f"base-{layers}"
+    config = MistralConfig(vocab_size=512, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=384, max_position_embeddings=512)
+    if not base.exists():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            MistralForCausalLM(config).save_pretrained(base)
+    settings = FinetuneConfig(base=str(base), data="unused", quant=quant, lora_r=8, lora_dropout=dropout,
+                              gradient_checkpointing=checkpointing, target_modules=target_modules)
+    placement = resolve_precision(torch.device("cpu"), precision)
+    model = load_model(settings, placement).model
+    backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
+    return backend, placement, Architecture.from_hf_config(config.to_dict())
+
+
+def _lora_saved_bytes(backend, placement, batch: int, seq: int) -> int:
+    import torch
+
+    backend.model.train()
+    ids = torch.as_tensor(np.random.default_rng(0).integers(0, 512, size=(batch, seq)))
+    return _saved_bytes(backend.model, ids, placement)
+
+
+@pytest.mark.parametrize("quant", ["none", "4bit"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_layer_inventory_is_exactly_what_autograd_saves(tmp_path, quant, precision, dropout):
+    """What one more decoder layer adds to the saved tensors of a real LoRA/QLoRA forward, byte for
+    byte: the layer inventory per token, plus autocast's 16-bit copies of that layer's adapters."""
+    from ptbr.memory import _lora_layer_inventory
+
+    batch, seq = 2, 16
+    saved = {}
+    for layers in (2, 3):
+        backend, placement, arch = _lora_backend(tmp_path, layers, quant, precision, dropout)
+        saved[layers] = _lora_saved_bytes(backend, placement, batch, seq)
+    compute = 4 if precision == "fp32" else 2
+    mask = 4 if dropout else 0  # on CPU dropout keeps an fp32 noise tensor (a bool mask on CUDA)
+    per_token = _lora_layer_inventory(arch, compute, quant != "none", 8, mask, ALL_TARGETS)
+    adapter_copies = 0 if compute == 4 else compute * arch.lora_parameters(8) // arch.num_layers
+    assert saved[3] - saved[2] == per_token * batch * seq + adapter_copies
+
+
+@pytest.mark.parametrize("quant, precision, dropout, checkpointing, targets, tolerance", [
+    # no checkpointing: the peak is the start of the backward pass, predicted within 1%
+    ("none", "fp32", 0.0, False, None, 0.01),
+    ("none", "bf16", 0.1, False, None, 0.01),
+    ("4bit", "fp32", 0.1, False, None, 0.01),
+    ("4bit", "bf16", 0.1, False, None, 0.01),
+    ("4bit", "bf16", 0.1, False, "q_proj,v_proj", 0.01),
+    # checkpointing: the recomputed layer's backward, predicted within 15% (README)
+    ("none", "bf16", 0.1, True, None, 0.15),
+    ("4bit", "bf16", 0.0, True, None, 0.15),
+    ("4bit", "fp32", 0.1, True, None, 0.15),
+])
+def test_lora_predicted_peak_is_the_allocated_peak_of_a_real_step(tmp_path, quant, precision, dropout, checkpointing,
+                                                                  targets, tolerance):
+    from ptbr.preflight.recommend import lora_targets
+
+    batch, seq = 8, 128
+    backend, placement, arch = _lora_backend(tmp_path, 3, quant, precision, dropout, checkpointing, targets)
+    ids = np.random.default_rng(0).integers(0, 512, size=(batch, seq))
+    step = {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
+    backend.train_step([step], 1e-3)  # AdamW's state exists from here on
+    measured = _allocated_peak(backend, step)
+    predicted = estimate_lora_memory(arch, batch, seq, 8, None if quant == "none" else "nf4", precision,
+                                     checkpointing, lora_dropout=dropout > 0,
+                                     targets=lora_targets({"target_modules": targets}), device="cpu").total
+    assert predicted == pytest.approx(measured, rel=tolerance)

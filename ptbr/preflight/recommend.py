@@ -166,7 +166,7 @@ def estimate(mode: str, arch: Architecture, requested: dict, target: str, batch_
     return estimate_lora_memory(arch, batch_size, seq_len, int(requested.get("lora_r", 16)),
                                 quantization(requested, target), precision, checkpointing,
                                 lora_dropout=float(requested.get("lora_dropout") or 0) > 0, overhead=overhead,
-                                targets=lora_targets(requested))
+                                targets=lora_targets(requested), device=target)
 
 
 def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture, *,

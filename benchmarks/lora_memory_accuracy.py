@@ -1,0 +1,199 @@
+"""How good is the memory model for LoRA and QLoRA? Predicted vs measured peak of real fine-tuning steps.
+
+    python benchmarks/lora_memory_accuracy.py --markdown           # CPU, a few minutes on 2 cores
+    python benchmarks/lora_memory_accuracy.py --device cuda --markdown
+
+The base is a Mistral-shaped model (grouped-query attention, SwiGLU) with random weights, saved to a
+temporary directory and loaded the way `ptbr finetune` loads it (ptbr.finetune.model.load_model:
+bitsandbytes NF4 for --quant 4bit, peft's LoRA on every projection). Each point runs in a fresh
+process: the warm-up step of a throwaway base joins the baseline, then the real base is loaded and
+three optimizer steps run. Measured as in benchmarks/memory_accuracy.py: on CUDA
+torch.cuda.max_memory_allocated(); on CPU the peak of allocated tensor bytes (torch.profiler's
+memory events) and the growth of peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from memory_accuracy import _profiled_peak  # noqa: E402  (same directory)
+
+# a scaled-down Mistral-7B: same head size, GQA ratio and MLP ratio; 0.24 B parameters
+BASE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "intermediate_size": 3584, "max_position_embeddings": 4096}
+WARM = BASE | {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "intermediate_size": 224, "vocab_size": 256}
+# (quant, precision, gradient_checkpointing, batch_size, seq_len)
+GRIDS = {
+    "cpu": [("none", "fp32", False, 4, 256), ("none", "bf16", False, 4, 256), ("4bit", "fp32", False, 4, 256),
+            ("4bit", "bf16", False, 4, 256), ("4bit", "bf16", False, 8, 512), ("4bit", "bf16", True, 8, 512),
+            ("none", "bf16", True, 8, 512)],
+    "cuda": [(quant, precision, checkpointing, batch, seq) for quant in ("4bit", "none") for precision in ("bf16", "fp16")
+             for checkpointing in (False, True) for batch, seq in ((4, 1024), (16, 2048))],
+}
+RANK, DROPOUT = 16, 0.05
+STEPS = 3
+GOAL = {"cuda": 0.10, "cpu": 0.20}
+
+
+def save_base(config: dict, directory: Path) -> None:
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(**config)).save_pretrained(directory)
+
+
+def predict(point: dict) -> dict:
+    from ptbr.memory import Architecture, estimate_lora_memory
+
+    quant = {"none": None, "4bit": "nf4"}[point["quant"]]
+    estimate = estimate_lora_memory(Architecture.from_hf_config(BASE), point["batch_size"], point["seq_len"], RANK,
+                                    quant, point["precision"], point["gradient_checkpointing"],
+                                    lora_dropout=DROPOUT > 0, device=point["device"])
+    return {"predicted": estimate.total, "phase": estimate.peak_phase}
+
+
+def measure(point: dict) -> dict:
+    """Runs in its own process: load, train STEPS steps, report the peak."""
+    import gc
+    import resource
+
+    import numpy as np
+    import psutil
+    import torch
+
+    from ptbr.config import FinetuneConfig
+    from ptbr.finetune.model import load_model
+    from ptbr.train.device import resolve_device, resolve_precision
+    from ptbr.train.step import TorchStep, build_optimizer
+
+    placement = resolve_precision(resolve_device(point["device"]), point["precision"])
+    cuda = placement.device.type == "cuda"
+
+    def backend(base: str):
+        settings = FinetuneConfig(base=base, data="unused", quant=point["quant"], lora_r=RANK, lora_dropout=DROPOUT,
+                                  gradient_checkpointing=point["gradient_checkpointing"])
+        model = load_model(settings, placement).model
+        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
+
+    def batch(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> dict:
+        ids = np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len))
+        return {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
+
+    warm = backend(point["warm"])
+    for seed in range(2):
+        warm.train_step([batch(WARM["vocab_size"], 2, 16, seed)], 1e-3)
+    del warm
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = psutil.Process().memory_info().rss
+    started = time.monotonic()
+    step = backend(point["base"])
+    shape = (BASE["vocab_size"], point["batch_size"], point["seq_len"])
+    for seed in range(STEPS - 1):
+        step.train_step([batch(*shape, seed)], 1e-4)
+    result = {"baseline": baseline}
+    if cuda:
+        torch.cuda.synchronize()
+        step.train_step([batch(*shape, STEPS)], 1e-4)
+        torch.cuda.synchronize()
+        result["measured"] = torch.cuda.max_memory_allocated() - baseline
+    else:
+        result["allocated"] = _profiled_peak(step, batch(*shape, STEPS))
+        result["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+        result["measured"] = result["allocated"]
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def run_grid(device: str, timeout: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_base(BASE, Path(tmp) / "base")
+        save_base(WARM, Path(tmp) / "warm")
+        for quant, precision, checkpointing, batch_size, seq_len in GRIDS[device]:
+            point = {"quant": quant, "precision": precision, "gradient_checkpointing": checkpointing,
+                     "batch_size": batch_size, "seq_len": seq_len, "device": device,
+                     "base": str(Path(tmp) / "base"), "warm": str(Path(tmp) / "warm")}
+            row = {k: v for k, v in point.items() if k not in ("base", "warm")} | predict(point)
+            try:
+                done = subprocess.run([sys.executable, __file__, "--measure", json.dumps(point)], capture_output=True,
+                                      text=True, timeout=timeout, check=True)
+                row |= json.loads(done.stdout.strip().splitlines()[-1])
+                row["error_pct"] = round(100 * (row["predicted"] - row["measured"]) / row["measured"], 2)
+                if "rss" in row:
+                    row["rss_error_pct"] = round(100 * (row["predicted"] - row["rss"]) / row["rss"], 1)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+                tail = (getattr(exc, "stderr", "") or "").strip().splitlines()[-1:] or [type(exc).__name__]
+                row["failed"] = tail[0]
+            print(json.dumps({k: row.get(k) for k in ("quant", "precision", "gradient_checkpointing", "batch_size",
+                                                          "seq_len", "predicted", "measured", "error_pct", "failed")}),
+                  file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    measured_as = "allocated peak" if device == "cpu" else "max_memory_allocated"
+    head = f"| base | quant | precision | grad. ckpt | batch × seq | predicted MiB | {measured_as} MiB | error |"
+    rule = "|---|---|---|---|---|---|---|---|"
+    if device == "cpu":
+        head += " peak RSS growth MiB | error |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for r in rows:
+        if "failed" in r:
+            continue
+        line = (f"| Mistral-shaped 0.24B | {r['quant']} | {r['precision']} | "
+                f"{'yes' if r['gradient_checkpointing'] else 'no'} | {r['batch_size']} × {r['seq_len']} | "
+                f"{r['predicted'] / 2**20:,.0f} | {r['measured'] / 2**20:,.0f} | {r['error_pct']:+.2f}% |")
+        if device == "cpu":
+            line += f" {r['rss'] / 2**20:,.0f} | {r['rss_error_pct']:+.1f}% |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--output", help="write the rows as JSON here")
+    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per grid point")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one point, in a fresh process
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(json.loads(args.measure))))
+        return 0
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = run_grid(device, args.timeout)
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    if args.markdown:
+        print(markdown(rows, device))
+    measured = [r for r in rows if "failed" not in r]
+    worst = max((abs(r["error_pct"]) for r in measured), default=float("nan"))
+    print(f"{len(measured)}/{len(rows)} points measured on {device}; worst error {worst:.1f}% "
+          f"(goal: within {GOAL[device]:.0%})", file=sys.stderr)
+    return 0 if measured and worst <= 100 * GOAL[device] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

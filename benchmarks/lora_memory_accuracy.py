@@ -14,9 +14,7 @@ memory events) and the growth of peak resident memory.
 
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from memory_accuracy import _profiled_peak  # noqa: E402  (same directory)
+from memory_accuracy import _profiled_peak, cli, measure_in_fresh_process  # noqa: E402  (same directory)
 
 # a scaled-down Mistral-7B: same head size, GQA ratio and MLP ratio; 0.24 B parameters
 BASE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -130,16 +128,8 @@ def run_grid(device: str, timeout: int) -> list[dict]:
                      "batch_size": batch_size, "seq_len": seq_len, "device": device,
                      "base": str(Path(tmp) / "base"), "warm": str(Path(tmp) / "warm")}
             row = {k: v for k, v in point.items() if k not in ("base", "warm")} | predict(point)
-            try:
-                done = subprocess.run([sys.executable, __file__, "--measure", json.dumps(point)], capture_output=True,
-                                      text=True, timeout=timeout, check=True)
-                row |= json.loads(done.stdout.strip().splitlines()[-1])
-                row["error_pct"] = round(100 * (row["predicted"] - row["measured"]) / row["measured"], 2)
-                if "rss" in row:
-                    row["rss_error_pct"] = round(100 * (row["predicted"] - row["rss"]) / row["rss"], 1)
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-                tail = (getattr(exc, "stderr", "") or "").strip().splitlines()[-1:] or [type(exc).__name__]
-                row["failed"] = tail[0]
+            row = measure_in_fresh_process(__file__, point, row, timeout, also={"rss": ("rss_error_pct", 1)},
+                                         decimals=2)
             print(json.dumps({k: row.get(k) for k in ("quant", "precision", "gradient_checkpointing", "batch_size",
                                                           "seq_len", "predicted", "measured", "error_pct", "failed")}),
                   file=sys.stderr, flush=True)
@@ -168,31 +158,8 @@ def markdown(rows: list[dict], device: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--output", help="write the rows as JSON here")
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per grid point")
-    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one point, in a fresh process
-    args = parser.parse_args()
-    if args.measure:
-        print(json.dumps(measure(json.loads(args.measure))))
-        return 0
-    device = args.device
-    if device is None:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = run_grid(device, args.timeout)
-    if args.output:
-        Path(args.output).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-    if args.markdown:
-        print(markdown(rows, device))
-    measured = [r for r in rows if "failed" not in r]
-    worst = max((abs(r["error_pct"]) for r in measured), default=float("nan"))
-    print(f"{len(measured)}/{len(rows)} points measured on {device}; worst error {worst:.1f}% "
-          f"(goal: within {GOAL[device]:.0%})", file=sys.stderr)
-    return 0 if measured and worst <= 100 * GOAL[device] else 1
+    return cli(__doc__.splitlines()[0], measure, lambda device, timeout, args: run_grid(device, timeout), markdown,
+               GOAL)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, ran
                           targets: tuple[str, ...]) -> int:
     """Bytes one decoder layer of a frozen base with LoRA adapters saves, per token.
 
-    Counted from the tensors autograd saves (tests/test_memory.py checks it tensor for tensor): a
+    Counted from the tensors autograd saves (tests/test_memory.py checks it byte for byte): a
     frozen Linear keeps no input, so what stays is each RMSNorm's fp32 input and rsqrt, attention's
     RoPE'd q, k, v and output (+ log-sum-exp), the MLP's gate, silu(gate) and up (in the input's
     dtype behind a quantized Linear, fp32 after prepare_model_for_kbit_training; else the compute

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from memory_accuracy import _profiled_peak, cli, measure_in_fresh_process  # noqa: E402  (same directory)
+from memory_accuracy import _profiled_peak, baseline_after_warm_up, cli, measure_in_fresh_process  # noqa: E402  (same directory)
 
 # a scaled-down Mistral-7B: same head size, GQA ratio and MLP ratio; 0.24 B parameters
 BASE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -62,11 +62,9 @@ def predict(point: dict) -> dict:
 
 def measure(point: dict) -> dict:
     """Runs in its own process: load, train STEPS steps, report the peak."""
-    import gc
     import resource
 
     import numpy as np
-    import psutil
     import torch
 
     from ptbr.config import FinetuneConfig
@@ -87,18 +85,8 @@ def measure(point: dict) -> dict:
         ids = np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len))
         return {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
 
-    warm = backend(point["warm"])
-    for seed in range(2):
-        warm.train_step([batch(WARM["vocab_size"], 2, 16, seed)], 1e-3)
-    del warm
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        baseline = psutil.Process().memory_info().rss
+    baseline = baseline_after_warm_up(backend(point["warm"]), [batch(WARM["vocab_size"], 2, 16, seed)
+                                                                for seed in range(2)], cuda)
     started = time.monotonic()
     step = backend(point["base"])
     shape = (BASE["vocab_size"], point["batch_size"], point["seq_len"])

@@ -75,11 +75,9 @@ def predict(point: dict) -> dict:
 
 def measure(point: dict) -> dict:
     """Runs in its own process: build, train STEPS steps, report the peak."""
-    import gc
     import resource
 
     import numpy as np
-    import psutil
     import torch
 
     from ptbr.config import LoopSettings, ModelPreset, get_preset
@@ -103,18 +101,9 @@ def measure(point: dict) -> dict:
         return windows_to_batch(windows)
 
     # warm-up on a throwaway one-layer model: kernels, thread pools and arenas join the baseline
-    warm = build(ModelPreset("warm-up", 64, 1, 2, 2, 128, 64, 1e-3), 256, point["gradient_checkpointing"])
-    for seed in range(2):
-        warm.train_step([batch(256, 2, 16, seed)], 1e-3)
-    del warm
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        baseline = psutil.Process().memory_info().rss
+    baseline = baseline_after_warm_up(build(ModelPreset("warm-up", 64, 1, 2, 2, 128, 64, 1e-3), 256,
+                                            point["gradient_checkpointing"]),
+                                      [batch(256, 2, 16, seed) for seed in range(2)], cuda)
     started = time.monotonic()
     backend = build(get_preset(point["model_size"]), point["vocab_size"], point["gradient_checkpointing"])
     for step in range(STEPS - 1):
@@ -131,6 +120,27 @@ def measure(point: dict) -> dict:
                                                             point["seq_len"], STEPS))
     result["seconds"] = round(time.monotonic() - started, 1)
     return result
+
+
+def baseline_after_warm_up(warm, batches: list[dict], cuda: bool) -> int:
+    """Train a throwaway backend on `batches`, free it, and return the memory in use from then on
+    (allocated on CUDA with the peak statistics reset; resident on CPU): what a point's peak is
+    measured above."""
+    import gc
+
+    import psutil
+    import torch
+
+    for batch in batches:
+        warm.train_step([batch], 1e-3)
+    del warm  # the caller passed it without keeping a reference: this frees it
+    gc.collect()
+    if not cuda:
+        return psutil.Process().memory_info().rss
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def _profiled_peak(backend, batch) -> int:

@@ -132,6 +132,7 @@ class Loaded:
     train: JsonlReport
     valid: JsonlReport | None
     adapted: object  # ptbr.finetune.model.AdaptedModel
+    resume: tuple[str, Path | None, dict | None]  # --resume as given, and its checkpoint and state
 
 
 def _load(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> Loaded:
@@ -146,7 +147,7 @@ def _load(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> Loaded
     tokenizer = load_tokenizer(settings.base, settings.trust_remote_code)
     train, valid = load_data(settings, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    checkpoint, _ = resume_point(run_dir, settings.resume)
+    checkpoint, saved = resume_point(run_dir, settings.resume)
     if checkpoint is not None:
         _check_resume(run_dir, checkpoint, settings, len(train.examples))
     adapted = load_model(settings, placement)
@@ -155,7 +156,7 @@ def _load(settings: FinetuneConfig, run_dir: Path, watchdog: Watchdog) -> Loaded
     if positions and longest > positions:
         raise ConfigError(f"examples of up to {longest} tokens exceed the base model's {positions} positions",
                           "--max-seq-len", f"use --max-seq-len {positions} or less")
-    return Loaded(placement, tokenizer, pad_id, train, valid, adapted)
+    return Loaded(placement, tokenizer, pad_id, train, valid, adapted, (settings.resume, checkpoint, saved))
 
 
 def _train(settings: FinetuneConfig, loaded: Loaded, run_dir: Path, watchdog: Watchdog) -> FinetuneResult:
@@ -184,18 +185,18 @@ def _train(settings: FinetuneConfig, loaded: Loaded, run_dir: Path, watchdog: Wa
     else:
         log("no validation set: adapters/ will hold the adapter of the last step")
 
-    checkpoint, saved = resume_point(run_dir, settings.resume)
-    if checkpoint is not None:
-        _check_resume(run_dir, checkpoint, settings, len(train.examples))
+    if settings.resume == loaded.resume[0]:
+        checkpoint, saved = loaded.resume[1:]  # found and checked by _load
+    else:  # a retry after an out-of-memory, from the checkpoint this run wrote
+        checkpoint, saved = resume_point(run_dir, settings.resume)
+        if checkpoint is not None:
+            _check_resume(run_dir, checkpoint, settings, len(train.examples))
     model = adapted.model
     backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, settings.max_grad_norm)
     # LoRA dropout draws from torch's global generator: seed it once, here at the start of the run;
     # every checkpoint saves its state and a resumed run restores it (load_state).
     torch.manual_seed(settings.seed)
-    state = LoopState()
-    if checkpoint is not None:
-        backend.load_state(checkpoint)
-        state = LoopState.from_dict(saved["loop"])
+    state = LoopState.start(backend, checkpoint, saved)
 
     write_json(run_dir / "run_config.json", {
         "command": "finetune",

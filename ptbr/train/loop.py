@@ -52,6 +52,15 @@ class LoopState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
+    @classmethod
+    def start(cls, backend: Backend, checkpoint: Path | None, saved: dict | None) -> LoopState:
+        """Where a run starts: afresh, or from a checkpoint (from resume_point), whose weights,
+        optimizer and RNG states are loaded into the backend."""
+        if checkpoint is None:
+            return cls()
+        backend.load_state(checkpoint)
+        return cls.from_dict(saved["loop"])
+
 
 class BatchSource(Protocol):
     def cycle(self, step: int) -> list[dict]:
@@ -62,6 +71,7 @@ class Backend(Protocol):
     def train_step(self, micro_batches: list[dict], lr: float): ...
     def eval_loss(self, batches: list[dict]) -> float: ...
     def save_state(self, directory: Path) -> None: ...
+    def load_state(self, directory: Path) -> None: ...
     def memory_bytes(self) -> int: ...
 
 

@@ -74,10 +74,7 @@ def _run(settings: PretrainConfig, run_dir: Path, watchdog: Watchdog) -> dict:
     log(f"model {preset.name}: {n_params:,} parameters, vocab {dataset.vocab_size}, seq_len {settings.seq_len}")
 
     checkpoint, saved = resume_point(run_dir, settings.resume)
-    state = LoopState()
-    if checkpoint is not None:
-        backend.load_state(checkpoint)
-        state = LoopState.from_dict(saved["loop"])
+    state = LoopState.start(backend, checkpoint, saved)
 
     write_json(run_dir / "run_config.json", {
         "command": "train",

@@ -4,7 +4,7 @@
     python benchmarks/lora_memory_accuracy.py --device cuda --markdown
 
 The base is a Mistral-shaped model (grouped-query attention, SwiGLU) with random weights, saved to a
-temporary directory and loaded the way `ptbr finetune` loads it (ptbr.finetune.model.load_model:
+temporary directory and loaded the way `ptbr finetune` loads it (ptbr.backends.torch.lora.load_model:
 bitsandbytes NF4 for --quant 4bit, peft's LoRA on every projection). Each point runs in a fresh
 process: the warm-up step of a throwaway base joins the baseline, then the real base is loaded and
 three optimizer steps run. Measured as in benchmarks/memory_accuracy.py: on CUDA
@@ -68,9 +68,9 @@ def measure(point: dict) -> dict:
     import torch
 
     from ptbr.config import FinetuneConfig
-    from ptbr.finetune.model import load_model
-    from ptbr.train.device import resolve_device, resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer
+    from ptbr.backends.torch.lora import load_model
+    from ptbr.backends.torch.device import resolve_device, resolve_precision
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
 
     placement = resolve_precision(resolve_device(point["device"]), point["precision"])
     cuda = placement.device.type == "cuda"

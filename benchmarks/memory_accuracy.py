@@ -4,8 +4,8 @@
     python benchmarks/memory_accuracy.py --device cuda        # GPU grid (needs a CUDA GPU)
     python benchmarks/memory_accuracy.py --markdown --output results.json
 
-Each grid point runs in a fresh process: the real model (ptbr.model.build_model), the real
-optimizer and the real step (ptbr.train.step.TorchStep) on random tokens, three optimizer steps so
+Each grid point runs in a fresh process: the real model (ptbr.backends.torch.models.build_model), the real
+optimizer and the real step (ptbr.backends.torch.step.TorchStep) on random tokens, three optimizer steps so
 that the AdamW state exists during a forward and backward pass (the steady-state peak).
 
 What is measured, and why it matches what is predicted:
@@ -81,9 +81,10 @@ def measure(point: dict) -> dict:
     import torch
 
     from ptbr.config import LoopSettings, ModelPreset, get_preset
-    from ptbr.model import build_model
-    from ptbr.train.device import resolve_device, resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.device import resolve_device, resolve_precision
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.data.batch import windows_to_batch
 
     placement = resolve_precision(resolve_device(point["device"]), point["precision"])
     cuda = placement.device.type == "cuda"

@@ -12,15 +12,11 @@ import os
 import sys
 
 from ptbr import __version__
-from ptbr.config import FinetuneConfig, PretrainConfig, settings_fields
+from ptbr.config import FinetuneConfig, PretrainConfig
+from ptbr.errors import EXIT_CODES
+from ptbr.flags import add_preflight_flags, add_settings_flags
 
-EXIT_CODES = """exit codes:
-  0  success            1  unexpected crash (see crash_report.txt)
-  2  bad settings       3  bad data            4  model/tokenizer/checkpoint
-  5  device/memory      6  output directory    7  training diverged (NaN/inf)
-  8  hang (see hang_report.txt)                9  smoke test failed
-  10 preflight found a failed check (see OUTPUT/preflight_report.json)
-  130 stopped by a signal (checkpoint saved; run again to resume)"""
+EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
 
 # command -> (module:function, one-line help); modules load only when their command runs
 COMMANDS = {
@@ -37,31 +33,10 @@ COMMANDS = {
 }
 
 
-def add_settings_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per settings field; defaults stay in the dataclass (flags default to 'not given')."""
-    for f, annotation in settings_fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.default is not None:
-            help_text += f" (default: {f.default})"
-        kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
-        base = annotation if annotation in (bool, int, float, str) else _optional_base(annotation)
-        if base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            parser.add_argument(flag, type=base, metavar=f.name.upper(), **kwargs)
-    parser.add_argument("--config", help="JSON or YAML file with the same settings in snake_case; flags override it")
-
-
-def _optional_base(annotation) -> type:
-    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
-    return args[0] if args else str
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ptbr", description="Train Portuguese (PT-BR) language models reproducibly.",
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ptbr {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also PTBR_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -129,8 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
 
     p = sub.add_parser("preflight", help=COMMANDS["preflight"][1], description=COMMANDS["preflight"][1])
-    from ptbr.preflight.settings import add_preflight_flags  # no torch: --help stays fast
-
     add_preflight_flags(p)
     return parser
 
@@ -142,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
-    from ptbr.errors import PtbrError
+    from ptbr.errors import PtbrError, error_line
     from ptbr.log import setup_console
 
     setup_console()
@@ -164,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         from ptbr.crash import write_crash_report
 
         report = write_crash_report(args, exc)
-        where = f"details in {report}" if report else "rerun with --debug for the traceback"
-        print(f"error: unexpected {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} ({where}); "
-              "fix: report it with that file", file=sys.stderr, flush=True)
+        print(error_line(exc, str(report) if report else None), file=sys.stderr, flush=True)
         return 1
 
 

@@ -87,6 +87,15 @@ def get_preset(name: str) -> ModelPreset:
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+BACKENDS = ("auto", "torch", "mlx")
+
+
+SETTINGS_FIX = "correct those values (`ptbr COMMAND --help` lists every setting and its default)"
+
+
+def default_warmup(max_steps: int) -> int:
+    """5% of the run, at least 1 step, at most 1,000."""
+    return min(1000, max(1, round(0.05 * max_steps)))
 
 
 @dataclass
@@ -110,7 +119,10 @@ class LoopSettings:
     eval_batches: int = setting(20, "Fixed number of validation batches per evaluation.")
     log_every: int = setting(10, "Print a plain log line every N steps when not on a terminal.")
     seed: int = setting(1337, "Seed for model initialisation and batch sampling (0 is a valid seed).")
-    device: str = setting("auto", "Where to train: auto picks cuda, then mps, then cpu.", DEVICES)
+    backend: str = setting("auto", "Array library: torch, or mlx (Apple Silicon, also mlx[cpu] on Linux); auto picks "
+                           "mlx on Apple Silicon when mlx is installed, torch elsewhere.", BACKENDS)
+    device: str = setting("auto", "Where to train: auto picks cuda, then mps, then cpu (with --backend mlx: the "
+                          "Metal GPU, or cpu).", DEVICES)
     precision: str = setting(
         "auto", "auto: bf16 where the GPU really has it, fp16 + GradScaler on T4-class GPUs, fp32 on CPU.", PRECISIONS
     )
@@ -128,10 +140,10 @@ class LoopSettings:
 
     def __post_init__(self) -> None:
         if self.warmup_steps is None and isinstance(self.max_steps, int):
-            self.warmup_steps = min(1000, max(1, round(0.05 * self.max_steps)))
+            self.warmup_steps = default_warmup(self.max_steps)
         if self.learning_rate is None:
             self.learning_rate = self.default_learning_rate()
-        collect(self.problems(), ConfigError, "settings", "correct the values above (see --help)")
+        collect(self.problems(), ConfigError, "settings", SETTINGS_FIX)
 
     def default_learning_rate(self) -> float:
         return 2e-4
@@ -161,6 +173,8 @@ class LoopSettings:
                 found.append(f"{name} must be within [0, 1), got {value!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             found.append(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.backend not in BACKENDS:
+            found.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.device not in DEVICES:
             found.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.precision not in PRECISIONS:
@@ -214,7 +228,9 @@ class FinetuneConfig(LoopSettings):
     eval_batches: int | None = setting(None, "Validation batches per evaluation (default: the whole validation set).")
     save_every: int = setting(100, "Save a checkpoint every N steps (and always at the end).")
     eval_every: int = setting(50, "Evaluate on the validation set every N steps (0: only at the end); the best adapter is kept.")
-    base: str | None = setting(None, "Base model: a local Hugging Face directory (a hub id needs network).")
+    base: str | None = setting(None, "Base model: a local Hugging Face directory (a Hugging Face Hub id with --download).")
+    download: bool = setting(False, "Allow --base to be a Hugging Face Hub id, downloaded when not cached (needs "
+                             "network); without it a --base that is not a local directory is an error.")
     data: str | None = setting(None, "train.jsonl, or a directory holding train.jsonl and valid.jsonl.")
     valid: str | None = setting(None, "Validation JSONL (default: valid.jsonl next to train.jsonl when --data is a directory).")
     quant: str = setting("4bit", "Base weights: 4bit (QLoRA: NF4, double quantization), 8bit or none.", QUANTS)
@@ -256,6 +272,9 @@ class FinetuneConfig(LoopSettings):
         return found
 
 
+MODES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}  # preflight's --mode -> the run's settings
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -274,7 +293,7 @@ def settings_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
     return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
 
 
-def _base_type(annotation: Any) -> type:
+def base_type(annotation: Any) -> type:
     """`int | None` -> int."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -285,7 +304,7 @@ def _base_type(annotation: Any) -> type:
 def _coerce(name: str, value: Any, annotation: Any, problems: list[str]) -> Any:
     if value is None:
         return None
-    kind = _base_type(annotation)
+    kind = base_type(annotation)
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -339,26 +358,38 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def build_settings(cls: type, file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
                    source: str = "config file") -> Any:
-    """Settings from defaults < config file < flags. Unknown keys and wrong types are one error."""
+    """Settings from defaults < config file < flags. Unknown keys, wrong types and invalid values
+    are all reported together, in one error."""
     known = {f.name: hint for f, hint in settings_fields(cls)}
     merged: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in (file_values or {}).items():
         if key in INFORMATIONAL_KEYS:
             continue
-        name = key.replace("-", "_")
+        name = str(key).replace("-", "_")
         if name not in known:
             problems.append(f"unknown key {key!r}")
             continue
         merged[name] = value
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None or k in merged})
-    values = {name: _coerce(name, value, known[name], problems) for name, value in merged.items()}
-    unknown = [p for p in problems if p.startswith("unknown key")]
+    unknown = bool(problems)
+    values = {}
+    for name, value in merged.items():
+        before = len(problems)
+        coerced = _coerce(name, value, known[name], problems)
+        if len(problems) == before:  # a value of the wrong type is reported once, not validated too
+            values[name] = coerced
+    settings = None
+    try:
+        settings = cls(**values)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    fix = SETTINGS_FIX
     if unknown:
-        valid = ", ".join(sorted(known))
-        collect(problems, ConfigError, source, f"remove or rename the unknown keys; valid keys: {valid}")
-    collect(problems, ConfigError, source, "correct the values above")
-    return cls(**values)
+        fix = f"remove or rename the unknown keys (valid keys: {', '.join(sorted(known))})" + (
+            f"; {SETTINGS_FIX}" if len(problems) > sum(p.startswith("unknown key") for p in problems) else "")
+    collect(problems, ConfigError, source, fix)
+    return settings
 
 
 def settings_to_dict(settings: Any) -> dict[str, Any]:

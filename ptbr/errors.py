@@ -1,6 +1,25 @@
-"""Typed exceptions raised by the library; only the CLI turns them into exit codes."""
+"""Typed exceptions raised by the library, and the one table of exit codes; only the CLI turns an
+exception into a line on stderr and its exit code."""
 
 from __future__ import annotations
+
+# The exit codes, in the order the README's table lists them. Each error class below names its
+# code; tests check this table, the classes and the README against each other.
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    1: "unexpected crash (a bug in ptbr): crash_report.txt in the output directory holds the details",
+    2: "bad settings: flags, config file, values, or settings that differ from the checkpoint being resumed",
+    3: "bad data: missing, empty, malformed or inconsistent data, or nothing usable in it",
+    4: "a model, tokenizer, adapter or checkpoint is missing, corrupt or cannot be loaded",
+    5: "device or precision not available",
+    6: "output directory: cannot be created or written, in use by another run, or the disk filled up",
+    7: "training diverged: loss or gradients non-finite for several steps in a row",
+    8: "hang: no progress within --hang-timeout (see hang_report.txt)",
+    9: "`ptbr smoke` failed",
+    10: "`ptbr preflight` found a failed check (see preflight_report.json)",
+    130: "stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command to resume",
+    141: "the reader of ptbr's output went away (e.g. `ptbr info | head -1`)",
+}
 
 
 class PtbrError(Exception):
@@ -8,11 +27,13 @@ class PtbrError(Exception):
 
     exit_code = 1
 
-    def __init__(self, what: str, where: str | None = None, fix: str | None = None):
+    def __init__(self, what: str, where: str | None = None, fix: str | None = None,
+                 problems: list[str] | None = None):
         super().__init__(what)
         self.what = what
         self.where = where
         self.fix = fix
+        self.problems = list(problems) if problems else [what]  # each problem, when several were found
 
     def one_line(self) -> str:
         text = f"error: {self.what}"
@@ -24,19 +45,19 @@ class PtbrError(Exception):
 
 
 class ConfigError(PtbrError):
-    """Invalid settings: flags, config file keys or values."""
+    """Invalid settings: flags, config file keys or values, or a resume with different settings."""
 
     exit_code = 2
 
 
 class DataError(PtbrError):
-    """The dataset is missing, malformed or inconsistent with the tokenizer."""
+    """The dataset is missing, malformed, inconsistent with the tokenizer, or holds nothing usable."""
 
     exit_code = 3
 
 
 class ModelError(PtbrError):
-    """A model, tokenizer or checkpoint cannot be built or loaded."""
+    """A model, tokenizer, adapter or checkpoint is missing, corrupt or cannot be loaded."""
 
     exit_code = 4
 
@@ -48,7 +69,8 @@ class DeviceError(PtbrError):
 
 
 class OutputError(PtbrError):
-    """The output directory cannot be created, written, or is in use by another run."""
+    """The output directory cannot be created or written, is in use by another run, or the disk
+    filled up while writing."""
 
     exit_code = 6
 
@@ -59,10 +81,10 @@ class TrainingDiverged(PtbrError):
     exit_code = 7
 
 
-class PreflightFailed(PtbrError):
-    """`ptbr preflight` found at least one failed check (details in preflight_report.json)."""
+class HangDetected(PtbrError):
+    """No progress within the hang timeout (the watchdog exits with this code itself)."""
 
-    exit_code = 10
+    exit_code = 8
 
 
 class SmokeFailed(PtbrError):
@@ -71,8 +93,32 @@ class SmokeFailed(PtbrError):
     exit_code = 9
 
 
+class PreflightFailed(PtbrError):
+    """`ptbr preflight` found at least one failed check (details in preflight_report.json)."""
+
+    exit_code = 10
+
+
+class Interrupted(PtbrError):
+    """SIGTERM/SIGINT: a checkpoint was saved at the step boundary; running again resumes."""
+
+    exit_code = 130
+
+
+def error_line(exc: BaseException, crash_report: str | None = None) -> str:
+    """The one line the CLI prints for an exception (and a run writes to train.log)."""
+    if isinstance(exc, PtbrError):
+        return exc.one_line()
+    if isinstance(exc, KeyboardInterrupt):
+        return "error: interrupted"
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    where = f"details in {crash_report}" if crash_report else "rerun with --debug for the traceback"
+    return (f"error: unexpected {type(exc).__name__}: {message} ({where}); "
+            "fix: this is a bug in ptbr, please report it with that file")
+
+
 def collect(problems: list[str], error_type: type[PtbrError], where: str | None, fix: str) -> None:
     """Raise one error listing every problem found, so users fix them all in one go."""
     if problems:
         what = problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems)
-        raise error_type(what, where, fix)
+        raise error_type(what, where, fix, problems)

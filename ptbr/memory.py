@@ -247,7 +247,7 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
                          targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down"),
                          device: str = "cuda") -> MemoryEstimate:
     """Predicted peak bytes of LoRA (quant=None) or QLoRA (quant="nf4", "int8"; "mlx4" on MLX), as
-    ptbr.finetune.model builds it.
+    ptbr.backends.torch.lora builds it.
 
     Quantized: the decoder's Linear weights are packed; peft's prepare_model_for_kbit_training
     casts embeddings, lm_head and norms to fp32, so the residual stream is fp32 too. Not
@@ -313,3 +313,38 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         backward_end=resident + working,
         quant=quant,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# A run's settings -> the model's arguments (what preflight and --auto-fit plan with)
+# --------------------------------------------------------------------------------------------
+
+# --quant -> the memory model's name for the base's weights; MLX quantizes with its own format
+QUANT_NAMES = {"4bit": "nf4", "8bit": "int8", "none": None}
+LORA_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+                "down_proj": "down"}
+
+
+def quant_name(quant: str, target: str) -> str | None:
+    """The memory model's name for a fine-tuning base quantized per --quant on `target`."""
+    name = QUANT_NAMES[quant]
+    return "mlx4" if name and target == "mlx" else name
+
+
+def lora_targets(target_modules: str | None) -> tuple[str, ...]:
+    """The memory model's names for --target-modules (default: every projection)."""
+    names = [n.strip() for n in (target_modules or "").split(",") if n.strip()]
+    known = tuple(LORA_TARGETS[n] for n in names if n in LORA_TARGETS)
+    return known or tuple(LORA_TARGETS.values())
+
+
+def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq_len: int, precision: str,
+                 checkpointing: bool) -> MemoryEstimate:
+    """The predicted peak of a run with these settings (PretrainConfig or FinetuneConfig) on
+    `target` (cuda | cpu | mps | mlx), the runtime outside the model's tensors included."""
+    overhead = RUNTIME_BYTES.get(target, RUNTIME_BYTES["cpu"])
+    if not hasattr(settings, "lora_r"):
+        return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead)
+    return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
+                                precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
+                                targets=lora_targets(settings.target_modules), device=target)

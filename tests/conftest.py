@@ -67,7 +67,7 @@ def oom_above(monkeypatch):
     import numpy as np
     import torch
 
-    from ptbr.train.step import TorchStep
+    from ptbr.backends.torch.step import TorchStep
 
     real = TorchStep.train_step
     sizes: list[tuple[int, int]] = []

@@ -81,7 +81,7 @@ def test_preset_parameter_counts_within_ten_percent_at_32k(name, target):
 def test_param_count_formula_matches_the_real_model(name):
     import torch
 
-    from ptbr.model import count_parameters, llama_config
+    from ptbr.backends.torch.models import count_parameters, llama_config
 
     config = llama_config(PRESETS[name], vocab_size=32000, eos_id=0)
     from transformers import LlamaForCausalLM

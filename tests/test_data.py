@@ -10,9 +10,10 @@ import pytest
 from ptbr.cli import main
 from ptbr.data import SAMPLE_DIR
 from ptbr.data.prepare import prepare, token_dtype
-from ptbr.data.tokenizer import file_sha256, load_tokenizer
+from ptbr.data.tokenizer import load_tokenizer
 from ptbr.data.tokens import RandomWindows, open_dataset
 from ptbr.errors import DataError
+from ptbr.files import file_sha256
 
 
 def test_prepare_writes_bins_tokenizer_and_meta(dataset_dir, corpus_dir):

@@ -122,9 +122,9 @@ def settings(toy: Toy, output: Path, **overrides):
 def test_trainable_parameters_first_loss_and_masks(toy, trained):
     from transformers import AutoModelForCausalLM
 
+    from ptbr.finetune.base import load_tokenizer
     from ptbr.finetune.batches import ChatBatches
-    from ptbr.finetune.model import load_tokenizer
-    from ptbr.finetune.run import load_data
+    from ptbr.runs.finetune import load_data
 
     summary = json.loads((trained / "training_summary.json").read_text())
     # LoRA adds r * (in + out) per adapted projection: q, o (h -> h); k, v (h -> kv); gate, up (h -> i); down (i -> h)
@@ -196,7 +196,7 @@ def test_qlora_4bit_on_cpu_learns_and_the_adapter_reloads_in_peft(toy, tmp_path)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from ptbr.finetune.run import run_finetune
+    from ptbr.runs.finetune import run_finetune
 
     # evaluation only at the end, so that OUTPUT/adapters holds the model as it is after the last step
     result = run_finetune(settings(toy, tmp_path / "out", quant="4bit", epochs=8, eval_every=0))
@@ -210,7 +210,7 @@ def test_qlora_4bit_on_cpu_learns_and_the_adapter_reloads_in_peft(toy, tmp_path)
     base = AutoModelForCausalLM.from_pretrained(toy.base, quantization_config=nf4, dtype=torch.float32)
     assert type(base.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
     for module in base.modules():
-        # as ptbr trains (ptbr.finetune.model.keep_4bit_layout): no repacking into bitsandbytes' CPU
+        # as ptbr trains (ptbr.backends.torch.lora.keep_4bit_layout): no repacking into bitsandbytes' CPU
         # inference layout, whose bf16 block scales would move the logits by ~1e-3
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
@@ -231,8 +231,8 @@ def test_resume_is_exact(toy, tmp_path, monkeypatch, quant):
     import torch
     from safetensors.torch import load_file
 
-    from ptbr.finetune.run import run_finetune
-    from ptbr.train.step import TorchStep
+    from ptbr.backends.torch.step import TorchStep
+    from ptbr.runs.finetune import run_finetune
 
     # batch 8 x grad_accum 2 over 40 examples: steps of 2, 2, 1 micro-batches per epoch, so 4 steps
     # cross an epoch boundary after a short step; LoRA dropout is on (its RNG must resume too)
@@ -302,7 +302,7 @@ def test_errors_are_one_line_with_their_exit_codes(toy, trained, tmp_path, capsy
     code, err = error_of("finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(trained),
                          "--quant", "none", "--lora-r", "4", "--lora-alpha", "16", "--batch-size", "4",
                          "--max-steps", "3")
-    assert code == 2 and "lora_r 8 -> 4" in err
+    assert code == 2 and "lora_r is 8 in the checkpoint, 4 now" in err
 
     code, err = error_of("merge", "--base", str(toy.base), "--adapter", str(tmp_path), "--output", str(tmp_path / "m"))
     assert code == 4 and "no adapter_config.json" in err
@@ -340,8 +340,8 @@ def test_auto_fit_loads_the_base_once_and_runs_as_the_size_it_chose(toy, tmp_pat
     from safetensors.torch import load_file
 
     from ptbr.cli import main
+    from ptbr.finetune.base import load_tokenizer
     from ptbr.finetune.data import inspect_jsonl
-    from ptbr.finetune.model import load_tokenizer
 
     common = ["finetune", "--base", str(toy.base), "--data", str(toy.data), "--quant", "4bit", "--lora-r", "8",
               "--learning-rate", "1e-2", "--max-steps", "3", "--eval-every", "3", "--lora-dropout", "0.1"]
@@ -369,7 +369,7 @@ def test_out_of_memory_mid_run_continues_smaller_from_the_last_checkpoint(toy, t
     """Micro-batches of 4 fit the dry run and two steps, then run out of memory: the run goes on
     from step 2's checkpoint at 2 x 2 without reloading the base. A step covers the same examples
     either way, so its losses are those of an undisturbed 4 x 1 run (up to float summation order)."""
-    from ptbr.finetune.run import run_finetune
+    from ptbr.runs.finetune import run_finetune
 
     common = dict(batch_size=4, grad_accum=1, max_steps=5, save_every=2, eval_every=0, lora_dropout=0.0)
     straight = tmp_path / "straight"
@@ -400,8 +400,8 @@ def test_auto_fit_on_cpu_asks_the_memory_model_before_running_a_size(toy, tmp_pa
 
     import psutil
 
+    from ptbr.backends.torch.step import TorchStep
     from ptbr.cli import main
-    from ptbr.train.step import TorchStep
 
     memory = namedtuple("memory", "total available percent used free")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(24 << 30, 1000, 100.0, 24 << 30, 1000))

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_auto_precision_picks_real_bf16_or_fp16_with_a_scaler(tmp_path):
-    from ptbr.train.device import has_real_bf16, resolve_precision
+    from ptbr.backends.torch.device import has_real_bf16, resolve_precision
 
     placement = resolve_precision(torch.device("cuda"), "auto")
     assert placement.precision == ("bf16" if has_real_bf16() else "fp16")
@@ -22,7 +22,7 @@ def test_auto_precision_picks_real_bf16_or_fp16_with_a_scaler(tmp_path):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_training_learns_on_the_gpu(tmp_path, precision):
-    from ptbr.train.device import has_real_bf16
+    from ptbr.backends.torch.device import has_real_bf16
 
     if precision == "bf16" and not has_real_bf16():
         pytest.skip("this GPU has no native bf16")
@@ -35,7 +35,7 @@ def test_mixed_precision_training_learns_on_the_gpu(tmp_path, precision):
 
 
 def test_bf16_is_refused_where_only_emulated(tmp_path):
-    from ptbr.train.device import has_real_bf16
+    from ptbr.backends.torch.device import has_real_bf16
 
     if has_real_bf16():
         pytest.skip("this GPU has native bf16")

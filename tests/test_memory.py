@@ -32,7 +32,7 @@ def test_mistral_7b_parameters_from_its_config_json():
 
 
 def test_preset_parameter_counts_are_the_built_models():
-    from ptbr.model import build_model, count_parameters
+    from ptbr.backends.torch.models import build_model, count_parameters
 
     for preset, vocab in ((PRESETS["tiny"], 2048), (SMALL, VOCAB)):
         assert Architecture.from_preset(preset, vocab).parameters == count_parameters(build_model(preset, vocab, 0, 0))
@@ -83,8 +83,8 @@ def _saved_bytes(model, ids, placement) -> int:
 def test_activations_are_exactly_what_autograd_saves(precision, checkpointing):
     import torch
 
-    from ptbr.model import build_model
-    from ptbr.train.device import resolve_precision
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
 
     batch, seq = 2, 48
     model = build_model(SMALL, VOCAB, 0, 0)
@@ -140,9 +140,10 @@ WIDE_MLP = ModelPreset("wide-mlp", 64, 3, 4, 2, 1024, 128, learning_rate=1e-3)
 def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batch, seq, precision, checkpointing):
     import torch
 
-    from ptbr.model import build_model
-    from ptbr.train.device import resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.data.batch import windows_to_batch
 
     placement = resolve_precision(torch.device("cpu"), precision)
     model = build_model(preset, vocab, 0, 0)
@@ -171,10 +172,10 @@ def _lora_backend(tmp_path, layers: int, quant: str, precision: str, dropout: fl
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.lora import load_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
     from ptbr.config import FinetuneConfig
-    from ptbr.finetune.model import load_model
-    from ptbr.train.device import resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer
 
     base = tmp_path / f"base-{layers}"
     config = MistralConfig(vocab_size=512, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,

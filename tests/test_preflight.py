@@ -325,7 +325,9 @@ def test_halving_keeps_the_effective_batch():
 def test_out_of_memory_is_recognised():
     import torch
 
-    from ptbr.train.autofit import is_out_of_memory
+    from ptbr.backends.torch import TorchBackend
+
+    is_out_of_memory = TorchBackend.create("cpu").is_out_of_memory
 
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
@@ -350,21 +352,23 @@ class FakeStep:
 
 
 def test_auto_fit_halves_until_a_step_fits():
+    from ptbr.backends.torch import TorchBackend
     from ptbr.errors import DeviceError
     from ptbr.train.autofit import auto_fit
 
+    backend = TorchBackend.create("cpu")
     built = []
 
-    def make_backend(batch_size):
+    def make_step(batch_size):
         built.append(batch_size)
         return FakeStep(limit=3)
 
-    choice = auto_fit(make_backend, lambda b: {"input_ids": [[0]] * b}, 16, 2)
+    choice = auto_fit(backend, make_step, lambda b: {"input_ids": [[0]] * b}, 16, 2)
     assert (choice.batch_size, choice.grad_accum) == (2, 16)
-    assert built == [16, 8, 4, 2]  # a fresh backend for each try
+    assert built == [16, 8, 4, 2]  # a fresh step for each try
     assert [t["result"].split(":")[0] for t in choice.tried] == ["out of memory"] * 3 + ["fits"]
     with pytest.raises(DeviceError, match="even at micro-batch 1"):
-        auto_fit(lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
+        auto_fit(backend, lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
 
 
 def _losses(run: Path) -> list[float]:

@@ -217,7 +217,7 @@ def test_hang_action_warn_reports_and_keeps_waiting(tmp_path):
 def test_an_unexpected_exception_leaves_a_crash_report(tmp_path):
     script = textwrap.dedent("""
         import sys
-        from ptbr.train import step
+        from ptbr.backends.torch import step
         def broken(self, micro_batches, lr):
             raise RuntimeError("simulated bug inside the step")
         step.TorchStep.train_step = broken
@@ -230,7 +230,8 @@ def test_an_unexpected_exception_leaves_a_crash_report(tmp_path):
     assert run.returncode == 1
     report = out / "crash_report.txt"
     assert last_line(run.stderr) == (f"error: unexpected RuntimeError: simulated bug inside the step "
-                                     f"(details in {report}); fix: report it with that file")
+                                     f"(details in {report}); fix: this is a bug in ptbr, please report it with "
+                                     "that file")
     text = report.read_text()
     assert "Traceback" in text and "simulated bug inside the step" in text and "'max_steps': 2" in text
     assert "versions: {'python'" in text
@@ -253,6 +254,7 @@ def test_sigterm_saves_a_checkpoint_within_seconds_and_the_next_run_resumes(tmp_
     line = last_line(err)
     assert line.startswith("error: stopped by SIGTERM at step ") and "run the same command again to resume" in line
     step = int(line.split("at step ")[1].split()[0])
+    assert line in (out / "train.log").read_text()  # the stop line is in the run's log too
     checkpoint = out / "checkpoints" / f"step_{step:06d}"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == step
     again = run_cli("train", "--output", str(out), *TINY, "--max-steps", str(step + 2), "--save-every", "0")
@@ -312,7 +314,9 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path):
     run = subprocess.run(train_cmd(out, "--max-steps", "4", "--save-every", "2"), capture_output=True, text=True,
                          preexec_fn=_limit_file_size, timeout=180)
     assert run.returncode == 6, run.stderr
-    assert last_line(run.stderr).startswith("error: the disk filled up (or a file size limit was hit) while saving")
+    assert last_line(run.stderr).startswith("error: the disk filled up (or a file size limit or quota was hit) while "
+                                            "writing the checkpoint of step 4")
+    assert "what was saved before is intact" in last_line(run.stderr) and "Traceback" not in run.stderr
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step_000002"]  # nothing half-written left behind
     from ptbr.train.checkpoint import read_state

@@ -33,10 +33,11 @@ def metrics(output):
 
 def test_loss_uses_correctly_shifted_labels():
     """Our loss on (inputs, labels) equals transformers' own loss, which shifts internally."""
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
     from ptbr.config import PRESETS, LoopSettings
-    from ptbr.model import build_model
-    from ptbr.train.device import resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+    from ptbr.data.batch import windows_to_batch
 
     model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
     windows = np.random.default_rng(0).integers(0, 300, size=(2, 17))
@@ -58,10 +59,10 @@ def test_loss_uses_correctly_shifted_labels():
 
 
 def tiny_step(optimizer_factory, vocab=300):
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep
     from ptbr.config import PRESETS
-    from ptbr.model import build_model
-    from ptbr.train.device import resolve_precision
-    from ptbr.train.step import TorchStep
 
     model = build_model(PRESETS["tiny"], vocab, eos_id=0, seed=0)
     return model, TorchStep(model, optimizer_factory(model), resolve_precision(torch.device("cpu"), "fp32"), 0.0)
@@ -70,7 +71,7 @@ def tiny_step(optimizer_factory, vocab=300):
 def test_accumulated_gradient_is_the_mean_over_the_whole_batch():
     """With SGD at lr 1 the update is the gradient itself: 4 micro-batches of 2 must give the
     gradient of one batch of 8 (averaged, not summed), and the optimizer steps once."""
-    from ptbr.train.step import windows_to_batch
+    from ptbr.data.batch import windows_to_batch
 
     windows = np.random.default_rng(1).integers(0, 300, size=(8, 17))
     updates = []
@@ -90,7 +91,7 @@ def test_accumulated_gradient_is_the_mean_over_the_whole_batch():
 def test_a_short_last_cycle_is_weighted_by_its_tokens():
     """Uneven micro-batches (the remainder of an epoch, padded fine-tuning data): the loss is the
     mean over every target token of the step, as if it were one batch."""
-    from ptbr.train.step import IGNORE_INDEX, windows_to_batch
+    from ptbr.data.batch import IGNORE_INDEX, windows_to_batch
 
     windows = np.random.default_rng(2).integers(0, 300, size=(3, 17))
     whole = windows_to_batch(windows)

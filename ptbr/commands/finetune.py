@@ -8,7 +8,7 @@ def main(args) -> int:
     settings = settings_from_args(FinetuneConfig, args)
     args.output = settings.output  # for the crash report
     quiet_transformers()
-    from ptbr.finetune.run import run_finetune
+    from ptbr.runs.finetune import run_finetune
 
     run_finetune(settings)
     return 0

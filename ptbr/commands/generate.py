@@ -60,7 +60,7 @@ def main(args) -> int:
         raise ConfigError("--max-new-tokens must be > 0, --temperature and --top-k >= 0", "ptbr generate",
                           "correct the values")
     quiet_transformers()
-    from ptbr.train.device import resolve_device
+    from ptbr.backends.torch.device import resolve_device
 
     tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device))
     chat = False

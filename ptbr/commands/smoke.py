@@ -15,8 +15,8 @@ def run_smoke(output: Path, device: str = "auto") -> dict:
     from transformers import AutoModelForCausalLM
 
     from ptbr.config import PretrainConfig
+    from ptbr.runs.pretrain import run_pretrain
     from ptbr.train.checkpoint import checkpoint_path
-    from ptbr.train.pretrain import run_pretrain
 
     settings = PretrainConfig(output=str(output), model_size="tiny", seq_len=64, batch_size=4, max_steps=1,
                               save_every=1, eval_every=1, eval_batches=2, device=device, resume="never")

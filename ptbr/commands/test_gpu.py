@@ -38,10 +38,11 @@ def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: i
     import numpy as np
     import torch
 
+    from ptbr.backends.torch.device import resolve_device, resolve_precision
+    from ptbr.backends.torch.models import build_model, count_parameters
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
     from ptbr.config import LoopSettings, get_preset
-    from ptbr.model import build_model, count_parameters
-    from ptbr.train.device import resolve_device, resolve_precision
-    from ptbr.train.step import TorchStep, build_optimizer, windows_to_batch
+    from ptbr.data.batch import windows_to_batch
 
     preset = get_preset(model_size)
     placement = resolve_precision(resolve_device(device), precision)

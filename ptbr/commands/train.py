@@ -8,7 +8,7 @@ def main(args) -> int:
     settings = settings_from_args(PretrainConfig, args)
     args.output = settings.output  # for the crash report
     quiet_transformers()
-    from ptbr.train.pretrain import run_pretrain
+    from ptbr.runs.pretrain import run_pretrain
 
     run_pretrain(settings)
     return 0

@@ -32,7 +32,7 @@ def main(args) -> int:
     tokenizer = None
     if args.base:
         from ptbr.commands import quiet_transformers
-        from ptbr.finetune.model import load_tokenizer
+        from ptbr.finetune.base import load_tokenizer
 
         quiet_transformers()
         tokenizer = load_tokenizer(args.base, args.trust_remote_code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -10,11 +11,16 @@ from pathlib import Path
 import numpy as np
 
 from ptbr.data.corpus import find_corpus_files, iter_documents, iter_texts
-from ptbr.data.tokenizer import PAD_TOKEN, eos_id, file_sha256, load_tokenizer, train_tokenizer
-from ptbr.errors import ConfigError, OutputError
+from ptbr.data.tokenizer import PAD_TOKEN, eos_id, load_tokenizer, train_tokenizer
+from ptbr.data.tokens import INCOMPLETE_MARKER
+from ptbr.errors import ConfigError, DataError, OutputError, collect
+from ptbr.files import file_sha256, fsync, remove_leftovers, writing
 
 META_FORMAT = "ptbr-tokens"
 DOCS_PER_BATCH = 256
+DATASET_FILES = ("tokenizer.json", "train.bin", "val.bin", "meta.json")
+# A trained vocabulary below this share of --vocab-size is reported (the corpus ran out of merges).
+FULL_VOCAB_SHARE = 0.9
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -24,37 +30,65 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def prepare(inputs: list[str], output: str | Path, vocab_size: int = 32000, val_fraction: float = 0.005,
             tokenizer_path: str | None = None, show_progress: bool | None = None) -> dict:
-    """Tokenize a corpus into a dataset directory and return its meta.json contents."""
+    """Tokenize a corpus into a dataset directory and return its meta.json contents.
+
+    Everything is written to a staging directory inside `output` first and moved into place at
+    the end, meta.json last, with INCOMPLETE_MARKER present while the files are swapped: a crash or
+    a full disk never leaves token files that look like a complete dataset."""
     problems = []
-    if vocab_size < 300:
+    if not isinstance(vocab_size, int) or vocab_size < 300:
         problems.append(f"--vocab-size must be at least 300 (256 bytes + merges), got {vocab_size}")
-    if not 0 <= val_fraction < 1:
+    if not isinstance(val_fraction, float | int) or not 0 <= val_fraction < 1:
         problems.append(f"--val-fraction must be within [0, 1), got {val_fraction}")
-    if problems:
-        raise ConfigError("; ".join(problems), "ptbr prepare", "correct the values")
+    collect(problems, ConfigError, "ptbr prepare", "correct the values (see `ptbr prepare --help`)")
     files = find_corpus_files(inputs)
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     output = Path(output)
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot create output directory: {exc.strerror}", str(output), "choose a writable path") from exc
+        raise OutputError(f"cannot create the output directory: {exc.strerror or exc}", str(output),
+                          "choose a path you can write to with --output") from exc
+    remove_leftovers(output)
+    stage = output / f".tmp-prepare-{os.getpid()}"
+    try:
+        with writing("the dataset", output):
+            stage.mkdir()
+            meta = _write_dataset(files, stage, tokenizer, tokenizer_path, vocab_size, val_fraction, show_progress)
+            _swap_in(stage, output)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    _log(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({meta['dtype']}, vocab "
+         f"{meta['vocab_size']:,}) to {output}")
+    return meta
 
-    tokenizer_file = output / "tokenizer.json"
-    if tokenizer_path:
-        tokenizer = load_tokenizer(tokenizer_path)
-        if Path(tokenizer_path).resolve() != tokenizer_file.resolve():
-            shutil.copyfile(tokenizer_path, tokenizer_file)
+
+def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: str | None, vocab_size: int,
+                   val_fraction: float, show_progress: bool | None) -> dict:
+    tokenizer_file = stage / "tokenizer.json"
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer_path, tokenizer_file)
     else:
         _log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {len(files)} file(s)")
-        tokenizer = train_tokenizer(iter_texts(files), vocab_size)
+        counted = _Counted(iter_texts(files))
+        tokenizer = train_tokenizer(counted, vocab_size)
+        if not counted.count:
+            raise DataError("the inputs hold no text (empty files, blank lines or empty \"text\" fields only)",
+                            ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else ""),
+                            "give .txt files with text, or .jsonl files whose \"text\" fields are not empty")
         tokenizer.save(str(tokenizer_file))
+        trained = tokenizer.get_vocab_size()
+        if trained < FULL_VOCAB_SHARE * vocab_size:
+            _log(f"warning: the trained vocabulary has {trained:,} tokens, far fewer than the {vocab_size:,} "
+                 "asked: the corpus has no more pairs of tokens that occur twice (a larger corpus, or a smaller "
+                 "--vocab-size, gives a full vocabulary)")
     vocab = tokenizer.get_vocab_size()
     eos = eos_id(tokenizer)
     dtype = token_dtype(vocab)
 
     total_bytes = sum(f.stat().st_size for f in files)
     progress = _progress(total_bytes, show_progress)
-    with _SplitWriter(output, dtype, val_fraction) as writer:
+    with _SplitWriter(stage, dtype, val_fraction) as writer:
         texts: list[str] = []
         ends: list[bool] = []
         for path in files:
@@ -70,6 +104,9 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = 32000, val_
             progress.update(path.stat().st_size)
     progress.close()
     counts, documents = writer.tokens, writer.documents
+    if not counts["train"]:
+        raise DataError("the inputs hold no text to tokenize", ", ".join(str(f) for f in files[:3]),
+                        "give .txt files with text, or .jsonl files whose \"text\" fields are not empty")
     if not counts["val"] and val_fraction > 0:
         _log(f"warning: the corpus is too small for --val-fraction {val_fraction}: no val.bin written, "
              "training will not evaluate (raise --val-fraction or add text)")
@@ -88,13 +125,46 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = 32000, val_
         "tokenizer_sha256": file_sha256(tokenizer_file),
         "sources": [str(f) for f in files],
     }
-    (output / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    _log(f"wrote {counts['train']:,} train and {counts['val']:,} val tokens ({dtype.name}) to {output}")
+    (stage / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    for path in stage.iterdir():
+        fsync(path)
     return meta
 
 
+def _swap_in(stage: Path, output: Path) -> None:
+    """Move the staged dataset into `output`: the marker first, meta.json last, the marker removed."""
+    marker = output / INCOMPLETE_MARKER
+    marker.write_text("a `ptbr prepare` into this directory has not finished; run it again\n", encoding="utf-8")
+    fsync(output)
+    (output / "meta.json").unlink(missing_ok=True)
+    for name in DATASET_FILES:
+        if name == "meta.json":
+            continue
+        if (stage / name).exists():
+            (stage / name).replace(output / name)
+        else:
+            (output / name).unlink(missing_ok=True)  # e.g. a val.bin of an earlier dataset
+    (stage / "meta.json").replace(output / "meta.json")
+    fsync(output)
+    marker.unlink()
+    fsync(output)
+
+
+class _Counted:
+    """An iterator of texts that counts the non-blank ones it hands on."""
+
+    def __init__(self, texts):
+        self.texts, self.count = texts, 0
+
+    def __iter__(self):
+        for text in self.texts:
+            if text.strip():
+                self.count += 1
+            yield text
+
+
 class _SplitWriter:
-    """Streams tokenized documents into train.bin / val.bin (written as .tmp, renamed at the end).
+    """Streams tokenized documents into train.bin / val.bin of the staging directory.
 
     A document goes to val while val is short of its share of tokens (rounded to the nearest
     document); the pieces of a very long document all go where its first piece went.
@@ -107,7 +177,7 @@ class _SplitWriter:
         self.open_split: str | None = None  # the split of a document whose pieces are still coming
 
     def __enter__(self):
-        self.files = {split: open(self.output / f"{split}.bin.tmp", "wb") for split in ("train", "val")}
+        self.files = {split: open(self.output / f"{split}.bin", "wb") for split in ("train", "val")}
         return self
 
     def write(self, encodings, ends: list[bool], eos: int) -> None:
@@ -123,18 +193,10 @@ class _SplitWriter:
         total = self.tokens["train"] + self.tokens["val"] + length
         return "val" if self.tokens["val"] + length / 2 < self.val_fraction * total else "train"
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, *exc) -> None:
         for f in self.files.values():
-            f.close()
-        if exc_type is not None:
-            for split in self.files:
-                (self.output / f"{split}.bin.tmp").unlink(missing_ok=True)
-            return
-        (self.output / "train.bin.tmp").replace(self.output / "train.bin")
-        if self.tokens["val"]:
-            (self.output / "val.bin.tmp").replace(self.output / "val.bin")
-        else:
-            (self.output / "val.bin.tmp").unlink()
+            f.close()  # a full disk on the last buffered write raises here, inside writing()
+        if not self.tokens["val"]:
             (self.output / "val.bin").unlink(missing_ok=True)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -55,14 +54,6 @@ def eos_id(tokenizer) -> int:
             return token_id
     raise DataError("the tokenizer has no end-of-text token", "tokenizer.json",
                     f"use a tokenizer with {EOS_TOKEN} (as `ptbr prepare` trains)")
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def save_for_transformers(tokenizer_path: str | Path, directory: str | Path) -> None:

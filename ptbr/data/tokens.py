@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ptbr.data.tokenizer import eos_id, file_sha256, load_tokenizer
+from ptbr.data.batch import Batch, windows_to_batch
+from ptbr.data.tokenizer import eos_id, load_tokenizer
 from ptbr.errors import DataError
+from ptbr.files import file_sha256
 
+# Present while `ptbr prepare` swaps a dataset's files in (ptbr/data/prepare.py).
+INCOMPLETE_MARKER = ".prepare-incomplete"
 # Tokens scanned for the max id when a dataset has no meta.json; every batch is checked anyway.
 QUICK_SCAN_TOKENS = 1 << 22
 
@@ -37,6 +42,18 @@ class TokenDataset:
     def val_path(self) -> Path:
         return self.directory / "val.bin"
 
+    def fingerprint(self) -> str:
+        """What identifies train.bin for resuming: its size and the sha256 of three 1 MiB samples
+        of it (start, middle, end), so that even a corpus of many GB is identified in milliseconds."""
+        size = self.train_path.stat().st_size
+        digest = hashlib.sha256(str(size).encode())
+        block = 1 << 20
+        with open(self.train_path, "rb") as f:
+            for offset in sorted({0, max(0, size // 2 - block // 2), max(0, size - block)}):
+                f.seek(offset)
+                digest.update(f.read(block))
+        return digest.hexdigest()[:16]
+
     def max_token_id(self, split: str = "train", chunk: int = 1 << 24) -> int:
         tokens = self.train if split == "train" else self.val
         if tokens is None or len(tokens) == 0:
@@ -51,6 +68,9 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     if not directory.is_dir():
         raise DataError(f"data directory not found: {directory}", "--data",
                         "give the directory written by `ptbr prepare` (train.bin, val.bin, meta.json)")
+    if (directory / INCOMPLETE_MARKER).exists():
+        raise DataError("a `ptbr prepare` into this directory did not finish: its files are incomplete", str(directory),
+                        "run the same `ptbr prepare` again")
     train_path = directory / "train.bin"
     if not train_path.is_file():
         raise DataError("no train.bin in the data directory", str(directory),
@@ -201,9 +221,6 @@ class PretrainBatches:
     same sequences, and the step's batches are a pure function of (seed, step)."""
 
     def __init__(self, dataset: TokenDataset, batch_size: int, grad_accum: int, seq_len: int, seed: int):
-        from ptbr.train.step import windows_to_batch
-
-        self._to_batch = windows_to_batch
         self.batch_size, self.grad_accum = batch_size, grad_accum
         self.windows = RandomWindows(dataset.train, dataset.train_path, batch_size * grad_accum, seq_len,
                                      dataset.vocab_size, seed)
@@ -214,6 +231,6 @@ class PretrainBatches:
         shown = ", ".join(str(int(s)) for s in starts[:4]) + (", ..." if len(starts) > 4 else "")
         return f"{self.windows.path} at token offsets [{shown}] (seq_len {self.windows.seq_len})"
 
-    def cycle(self, step: int) -> list[dict]:
+    def cycle(self, step: int) -> list[Batch]:
         windows = self.windows.batch(step)  # (batch_size * grad_accum, seq_len + 1)
-        return [self._to_batch(windows[i:i + self.batch_size]) for i in range(0, len(windows), self.batch_size)]
+        return [windows_to_batch(windows[i:i + self.batch_size]) for i in range(0, len(windows), self.batch_size)]

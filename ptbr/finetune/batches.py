@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 
+from ptbr.data.batch import IGNORE_INDEX, Batch
 from ptbr.finetune.data import Example
-from ptbr.train.step import IGNORE_INDEX
 
 
-def collate(examples: list[Example], pad_id: int) -> dict:
+def collate(examples: list[Example], pad_id: int) -> Batch:
     """Right-pad to the longest example of this micro-batch: pad ids, attention_mask 0, labels -100."""
     length = max(len(e.ids) for e in examples) - 1
     input_ids = np.full((len(examples), length), pad_id, dtype=np.int64)  # (B, T)
@@ -45,16 +45,26 @@ class ChatBatches:
     def order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
 
-    def cycle(self, step: int) -> list[dict]:
+    def step_examples(self, step: int) -> list[list[Example]]:
+        """The examples of each micro-batch of optimizer step `step`."""
         epoch, index = divmod(step, self.steps_per_epoch)
         order = self.order(epoch)
         first = index * self.grad_accum
         last = min(first + self.grad_accum, self.micro_batches_per_epoch)
-        return [collate([self.examples[i] for i in order[m * self.batch_size:(m + 1) * self.batch_size]], self.pad_id)
+        return [[self.examples[i] for i in order[m * self.batch_size:(m + 1) * self.batch_size]]
                 for m in range(first, last)]
 
+    def cycle(self, step: int) -> list[Batch]:
+        return [collate(examples, self.pad_id) for examples in self.step_examples(step)]
 
-def fixed_batches(examples: list[Example], batch_size: int, pad_id: int, max_batches: int | None = None) -> list[dict]:
+    def describe(self, step: int) -> str:
+        lines = sorted(e.line for micro in self.step_examples(step) for e in micro)
+        shown = ", ".join(str(n) for n in lines[:8]) + (", ..." if len(lines) > 8 else "")
+        return f"training examples at lines [{shown}]"
+
+
+def fixed_batches(examples: list[Example], batch_size: int, pad_id: int,
+                  max_batches: int | None = None) -> list[Batch]:
     """Validation: the examples in file order, in batches of batch_size; the same at every evaluation."""
     chunks = [examples[i:i + batch_size] for i in range(0, len(examples), batch_size)]
     if max_batches is not None:

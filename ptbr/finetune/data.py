@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ptbr.train.step import IGNORE_INDEX
+from ptbr.data.batch import IGNORE_INDEX
+from ptbr.errors import DataError
 
 ROLES = ("system", "user", "assistant")
 SCHEMAS = ("messages", "prompt_completion", "text")
@@ -294,6 +295,9 @@ def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_lo
                 continue
         report.examples.append(Example(record.line, np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool)))
     report.too_long = len(long_lines)
+    if report.records and not report.examples and not report.problems:
+        report.problems.append(f"no example is left within max_seq_len {max_seq_len} (every one was dropped; "
+                               "see the warnings)")
     if long_lines:
         action = ("dropped (--drop-long)" if drop_long else
                   f"truncated to {max_seq_len} tokens, their ends cut (--drop-long drops them instead)")
@@ -309,6 +313,38 @@ def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_lo
 def _lines(numbers: list[int]) -> str:
     shown = ", ".join(str(n) for n in numbers[:LINES_IN_WARNING])
     return shown + (f" and {len(numbers) - LINES_IN_WARNING} more" if len(numbers) > LINES_IN_WARNING else "")
+
+
+def data_paths(data: str, valid: str | None) -> tuple[Path, Path | None]:
+    """train.jsonl and the optional validation file from --data FILE|DIR and --valid."""
+    path = Path(data)
+    if path.is_dir():
+        train = path / "train.jsonl"
+        if not train.is_file():
+            raise DataError("no train.jsonl in the data directory", data,
+                            "put train.jsonl (and valid.jsonl) there, or give --data FILE.jsonl")
+        valid_path = Path(valid) if valid else (path / "valid.jsonl" if (path / "valid.jsonl").is_file() else None)
+    elif path.is_file():
+        train, valid_path = path, Path(valid) if valid else None
+    else:
+        raise DataError("training data not found", data,
+                        "give train.jsonl, or a directory with train.jsonl and valid.jsonl")
+    if valid_path is not None and not valid_path.is_file():
+        raise DataError("validation file not found", str(valid_path), "give an existing --valid FILE.jsonl")
+    return train, valid_path
+
+
+def inspect_pair(train_path: Path, valid_path: Path | None, tokenizer=None, max_seq_len: int | None = None,
+                 drop_long: bool = False) -> list[JsonlReport]:
+    """The one verdict on a fine-tuning data set, shared by `ptbr finetune`, `validate-data` and
+    preflight: each file checked (and encoded with the length policy, given a tokenizer), and the
+    validation file in the training file's format."""
+    reports = [inspect_jsonl(p, tokenizer, max_seq_len, drop_long) for p in (train_path, valid_path) if p is not None]
+    train = reports[0]
+    for valid in reports[1:]:
+        if train.schema and valid.schema and valid.schema != train.schema:
+            valid.problems.append(f"it holds {valid.schema!r} examples but the training file holds {train.schema!r}")
+    return reports
 
 
 def problems_summary(report: JsonlReport) -> str:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ptbr.backends.torch.lora import refuse_prequantized
 from ptbr.errors import ConfigError, ModelError
-from ptbr.finetune.model import check_base, load_error, refuse_prequantized
+from ptbr.files import write_directory
+from ptbr.finetune.base import check_base, load_error
 from ptbr.log import log
-from ptbr.train.atomic import write_directory
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 

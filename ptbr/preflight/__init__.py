@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptbr.files import write_text
 from ptbr.memory import GIB, Architecture
 from ptbr.preflight.checks import (
     FAIL,
@@ -179,9 +180,7 @@ def _write(result: PreflightResult, settings: dict, given: set[str] | None) -> N
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_plain) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_text(path, json.dumps(data, indent=2, default=_plain) + "\n", path.name)
 
 
 def _plain(value):

@@ -188,8 +188,7 @@ def check_pretrain_data(settings: dict) -> tuple[list[Check], Any]:
 def check_finetune_data(settings: dict, tokenizer=None) -> tuple[list[Check], dict]:
     """The JSONL files, checked line by line as `ptbr finetune` will (and encoded, with the length
     policy applied, when the base's tokenizer loaded). Returns (checks, {"examples", "longest"})."""
-    from ptbr.finetune.data import inspect_jsonl, problems_summary
-    from ptbr.finetune.run import data_paths
+    from ptbr.finetune.data import data_paths, inspect_jsonl, problems_summary
 
     try:
         train_path, valid_path = data_paths(settings["data"], settings.get("valid"))
@@ -240,7 +239,8 @@ def check_preset(settings: dict, vocab_size: int | None) -> list[Check]:
 
 def read_base_config(settings: dict) -> tuple[list[Check], dict | None]:
     """The base model's config.json, read as JSON (no weights, no network)."""
-    from ptbr.finetune.model import check_base, refuse_prequantized
+    from ptbr.backends.torch.lora import refuse_prequantized
+    from ptbr.finetune.base import check_base
 
     base = settings["base"]
     try:
@@ -283,7 +283,7 @@ def _hub_cache_dir(repo_id: str) -> Path | None:
 
 
 def load_base_tokenizer(settings: dict) -> tuple[list[Check], Any]:
-    from ptbr.finetune.model import load_tokenizer
+    from ptbr.finetune.base import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(settings["base"], settings.get("trust_remote_code", False))
@@ -294,18 +294,16 @@ def load_base_tokenizer(settings: dict) -> tuple[list[Check], Any]:
 
 def load_test(settings: dict) -> Check:
     """--load-test: load the base with its adapter exactly as `ptbr finetune` will, then free it."""
-    import gc
-
+    from ptbr.backends import create_backend
     from ptbr.config import FinetuneConfig
-    from ptbr.finetune.model import load_model
-    from ptbr.train.device import resolve_device, resolve_precision
 
     try:
         config = FinetuneConfig(**settings)
-        adapted = load_model(config, resolve_precision(resolve_device(config.device), config.precision))
-        footprint = adapted.model.get_memory_footprint()
+        backend = create_backend(config.backend, config.device, config.precision)
+        adapted = backend.load_adapted(config)
+        footprint = adapted.weights_bytes
         del adapted
-        gc.collect()
+        backend.release_memory()
         return Check("model.load_test", PASS, footprint, f"the weights load with the adapter ({gib(footprint)})")
     except PtbrError as exc:
         return Check("model.load_test", FAIL, settings["base"], exc.what, exc.fix)

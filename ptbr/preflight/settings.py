@@ -1,43 +1,14 @@
-"""The settings preflight plans for: `ptbr train`'s PretrainConfig or `ptbr finetune`'s FinetuneConfig.
-
-Light on purpose (no torch): cli.py imports it to build the `ptbr preflight` flags. Both modes'
-flags come from the settings dataclasses, so `ptbr preflight` accepts exactly what `ptbr train`
-and `ptbr finetune` accept, and recommended_config.json holds exactly their keys.
-"""
+"""The settings preflight plans for: `ptbr train`'s PretrainConfig or `ptbr finetune`'s FinetuneConfig,
+resolved from `ptbr preflight`'s flags (ptbr/flags.py makes them from the same dataclasses, so
+preflight accepts exactly what train and finetune accept)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from ptbr.config import (
-    FinetuneConfig,
-    PretrainConfig,
-    build_settings,
-    read_config_file,
-    settings_fields,
-)
+from ptbr.config import MODES, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError
-
-MODES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
-
-
-def add_preflight_flags(parser: argparse.ArgumentParser) -> None:
-    """--mode, --load-test, and every flag of train and finetune (each name once)."""
-    from ptbr.cli import add_settings_flags
-
-    parser.add_argument("--mode", choices=tuple(MODES), default="pretrain",
-                        help="plan a pretraining (ptbr train) or a fine-tuning (ptbr finetune) run")
-    parser.add_argument("--load-test", action="store_true",
-                        help="finetune: also load the base model's weights, as the run will (slow for large models)")
-    add_settings_flags(parser, PretrainConfig)  # also --config, and --output: where the reports go
-    taken = {f.name for f, _ in settings_fields(PretrainConfig)}
-    finetune_only = argparse.ArgumentParser(add_help=False)
-    add_settings_flags(finetune_only, FinetuneConfig)
-    for action in finetune_only._actions:  # FinetuneConfig's flags that train does not have
-        if action.dest not in taken and action.dest != "config":
-            action.help = f"(finetune) {action.help}"
-            parser._add_action(action)
 
 
 def requested_settings(mode: str, args: argparse.Namespace) -> tuple[dict, set[str]]:

@@ -1,7 +1,10 @@
 """Checkpoints: checkpoints/step_NNNNNN/, written to a temporary directory, fsynced, then renamed.
 
-A checkpoint is complete when its trainer_state.json exists and every file it lists has the
-size it records; anything else (a crash mid-write) is skipped with a message.
+trainer_state.json records the run the checkpoint belongs to (mode and identity, compared on
+resume), the loop's state, the schedule, and the size and sha256 of every file. A checkpoint is
+complete when every listed file has its size (a cheap check, done for every checkpoint) and
+intact when every file also has its hash (checked for the one a run resumes from); anything else
+is passed over with a message and the previous checkpoint is used.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ import json
 import shutil
 from pathlib import Path
 
+from ptbr.files import file_sha256, write_directory
 from ptbr.log import log
-from ptbr.train.atomic import write_directory
 
 STATE_FILE = "trainer_state.json"
+FORMAT = 2  # 2: files carry sha256 and the state records the run's identity
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -24,17 +28,19 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f"step_{step:06d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, backend, loop_state: dict, keep_last: int = 0) -> Path:
-    """Write a complete checkpoint atomically; on failure the previous ones are untouched."""
+def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_last: int = 0) -> Path:
+    """Write a complete checkpoint atomically (the training step's state files plus
+    trainer_state.json with `record`); on failure the previous ones are untouched."""
 
     def fill(directory: Path) -> None:
-        backend.save_state(directory)
-        files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
-        state = dict(loop_state, step=step, files=files)
+        training_step.save_state(directory)
+        files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
+                 for p in sorted(directory.iterdir()) if p.is_file()}
+        state = dict(record, format=FORMAT, step=step, files=files)
         (directory / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
 
-    final = write_directory(checkpoint_path(run_dir, step), fill, "a checkpoint",
-                            fix="free space or lower --keep-last")
+    final = write_directory(checkpoint_path(run_dir, step), fill, f"the checkpoint of step {step}",
+                            fix="free space, or keep fewer checkpoints with --keep-last")
     if keep_last > 0:
         for old in complete_checkpoints(run_dir, quiet=True)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -42,15 +48,31 @@ def save_checkpoint(run_dir: Path, step: int, backend, loop_state: dict, keep_la
 
 
 def read_state(path: Path) -> dict | None:
-    """The checkpoint's trainer state if it is complete, else None."""
+    """The checkpoint's trainer state if it is complete (every file there, at its size), else None."""
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-        for name, size in state["files"].items():
+        for name, entry in state["files"].items():
+            size = entry["size"] if isinstance(entry, dict) else entry
             if (path / name).stat().st_size != size:
                 return None
+        int(state["step"])
         return state
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def corruption(path: Path, state: dict) -> str | None:
+    """Why the checkpoint's files do not match the hashes it recorded, or None when they all do."""
+    for name, entry in state["files"].items():
+        expected = entry.get("sha256") if isinstance(entry, dict) else None
+        if expected is None:
+            continue  # written before checkpoints recorded hashes: the size check is all there is
+        try:
+            if file_sha256(path / name) != expected:
+                return f"{name} does not match the sha256 recorded when it was saved"
+        except OSError as exc:
+            return f"{name} cannot be read: {exc.strerror or exc}"
+    return None
 
 
 def complete_checkpoints(run_dir: Path, quiet: bool = False) -> list[Path]:

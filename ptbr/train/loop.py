@@ -1,8 +1,8 @@
 """fit(): the one training loop for pretraining and fine-tuning, on any backend.
 
 The loop owns everything but the step: the schedule, which batches make each optimizer step,
-evaluation, metrics, checkpoints, progress, and graceful stops. A backend (TorchStep, or the MLX
-step) only turns a list of micro-batches and a learning rate into an update.
+evaluation, metrics, checkpoints, progress, and graceful stops. A backend's training step (torch's
+TorchStep, MLX's MlxStep) only turns a list of micro-batches and a learning rate into an update.
 """
 
 from __future__ import annotations
@@ -18,21 +18,16 @@ from typing import Protocol
 
 import numpy as np
 
-from ptbr.errors import PtbrError, TrainingDiverged
+from ptbr.data.batch import IGNORE_INDEX, Batch, StepResult
+from ptbr.errors import Interrupted, TrainingDiverged
 from ptbr.log import log
 from ptbr.train.checkpoint import save_checkpoint
 from ptbr.train.metrics import MetricsLog
 from ptbr.train.progress import Progress
-from ptbr.train.schedule import lr_at
+from ptbr.train.schedule import Schedule
 
 # Non-finite steps in a row before the run is stopped (each one is skipped, not applied).
 MAX_BAD_STEPS_IN_A_ROW = 5
-
-
-class Interrupted(PtbrError):
-    """SIGTERM/SIGINT: a checkpoint was saved at the step boundary; running again resumes."""
-
-    exit_code = 130
 
 
 @dataclass
@@ -52,26 +47,29 @@ class LoopState:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    @classmethod
-    def start(cls, backend: Backend, checkpoint: Path | None, saved: dict | None) -> LoopState:
-        """Where a run starts: afresh, or from a checkpoint (from resume_point), whose weights,
-        optimizer and RNG states are loaded into the backend."""
-        if checkpoint is None:
-            return cls()
-        backend.load_state(checkpoint)
-        return cls.from_dict(saved["loop"])
 
 
 class BatchSource(Protocol):
-    def cycle(self, step: int) -> list[dict]:
+    def cycle(self, step: int) -> list[Batch]:
         """The micro-batches of optimizer step `step` (a pure function of the step)."""
 
+    def describe(self, step: int) -> str:
+        """Where step `step`'s data comes from (file, offsets or lines), for diagnostics."""
 
-class Backend(Protocol):
-    def train_step(self, micro_batches: list[dict], lr: float): ...
-    def eval_loss(self, batches: list[dict]) -> float: ...
+
+class TrainingStep(Protocol):
+    """What the loop drives (a backend's step: torch's TorchStep, MLX's MlxStep)."""
+
+    precision: str  # fp32 | fp16 | bf16, for diagnostics
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult: ...
+
+    def eval_loss(self, batches: list[Batch]) -> float: ...
+
     def save_state(self, directory: Path) -> None: ...
+
     def load_state(self, directory: Path) -> None: ...
+
     def memory_bytes(self) -> int: ...
 
 
@@ -107,19 +105,24 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
-def describe_batch(batch: dict) -> str:
+def describe_batch(batch: Batch) -> str:
     ids = np.asarray(batch["input_ids"])
     labels = np.asarray(batch["labels"])
     return (f"first batch: input_ids {tuple(ids.shape)} {ids.dtype}, ids {int(ids.min())}..{int(ids.max())}, "
-            f"{int((labels != -100).sum())} target tokens")
+            f"{int((labels != IGNORE_INDEX).sum())} target tokens")
 
 
-def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, settings, run_dir: Path,
-        state: LoopState, callbacks: Callbacks | None = None, watchdog=None) -> LoopState:
-    """Train until settings.max_steps; returns the final state. Raises Interrupted after a
-    graceful stop and TrainingDiverged after MAX_BAD_STEPS_IN_A_ROW non-finite steps. A watchdog,
-    if given, is told of every step, evaluation and checkpoint."""
+def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | None, settings, run_dir: Path,
+        state: LoopState, schedule: Schedule | None = None, record: dict | None = None,
+        callbacks: Callbacks | None = None, watchdog=None) -> LoopState:
+    """Train until settings.max_steps, with the learning rate of `schedule` (default: the one the
+    settings describe); returns the final state. Every checkpoint also records `record` (the run's
+    identity, compared on resume). Raises Interrupted after a graceful stop and TrainingDiverged
+    after MAX_BAD_STEPS_IN_A_ROW non-finite steps. A watchdog, if given, is told of every step,
+    evaluation and checkpoint."""
     callbacks = callbacks or Callbacks()
+    schedule = schedule or Schedule.from_settings(settings)
+    record = record or {}
     beat = watchdog.beat if watchdog is not None else (lambda phase: None)
     metrics = MetricsLog(run_dir, state.step)
     progress = Progress(settings.max_steps, state.step, settings.log_every)
@@ -129,8 +132,7 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
         with GracefulStop() as stop:
             while state.step < settings.max_steps:
                 step_started = time.monotonic()
-                lr = lr_at(state.step, settings.learning_rate, settings.warmup_steps, settings.max_steps,
-                           settings.min_lr_ratio)
+                lr = schedule.lr(state.step)
                 micro_batches = source.cycle(state.step)
                 if state.step == start_step:
                     log(describe_batch(micro_batches[0]) + f"; {len(micro_batches)} micro-batch(es) per step")
@@ -143,7 +145,7 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
                     log(f"first step done: loss {result.loss:.4f} in {time.monotonic() - started:.1f} s")
                     if watchdog is not None:
                         watchdog.first_step_done(time.monotonic() - started)
-                _check_finite(result, state, lr, backend, source, micro_batches)
+                _check_finite(result, state, lr, backend.precision, source)
 
                 val_loss = None
                 if eval_batches and (_due(state.step, settings.eval_every) or state.step == settings.max_steps):
@@ -168,8 +170,8 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
                 last = state.step == settings.max_steps
                 if _due(state.step, settings.save_every) or last or stop.signal_name:
                     beat(f"saving the checkpoint of step {state.step}")
-                    path = save_checkpoint(run_dir, state.step, backend, _trainer_state(state, settings, lr),
-                                           settings.keep_last)
+                    path = save_checkpoint(run_dir, state.step, backend,
+                                           record | _trainer_state(state, settings, schedule, lr), settings.keep_last)
                     callbacks.on_checkpoint(state, path)
                     if stop.signal_name:
                         raise Interrupted(f"stopped by {stop.signal_name} at step {state.step}",
@@ -179,14 +181,13 @@ def fit(backend: Backend, source: BatchSource, eval_batches: list[dict] | None, 
     return state
 
 
-def _trainer_state(state: LoopState, settings, lr: float) -> dict:
+def _trainer_state(state: LoopState, settings, schedule: Schedule, lr: float) -> dict:
     """What a checkpoint records besides the backend's states. The schedule and the batch source
-    are pure functions of the step, so the step is their whole state; the rest is for readers."""
+    are pure functions of the step, so the step and the schedule's shape are their whole state."""
     return {
         "loop": dataclasses.asdict(state),
         "scheduler": {"kind": "linear warmup, cosine decay", "step": state.step, "last_lr": lr,
-                      "peak_lr": settings.learning_rate, "warmup_steps": settings.warmup_steps,
-                      "max_steps": settings.max_steps, "min_lr_ratio": settings.min_lr_ratio},
+                      **schedule.as_dict(), "max_steps": settings.max_steps},
         "sampler": {"position": state.step, "seed": settings.seed, "batch_size": settings.batch_size,
                     "grad_accum": settings.grad_accum},
     }
@@ -200,19 +201,16 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
 
 
-def _check_finite(result, state: LoopState, lr: float, backend, source, micro_batches: list[dict]) -> None:
+def _check_finite(result: StepResult, state: LoopState, lr: float, precision: str, source: BatchSource) -> None:
     if not result.skipped:
         state.bad_in_a_row = 0
         return
     state.skipped_steps += 1
     state.bad_in_a_row += 1
-    log(f"warning: step {state.step} skipped: loss {result.loss}, grad_norm {result.grad_norm} "
+    log(f"warning: step {state.step} skipped: loss {result.loss:.4g}, grad_norm {result.grad_norm:.4g} "
         f"({state.bad_in_a_row} in a row)")
     if state.bad_in_a_row >= MAX_BAD_STEPS_IN_A_ROW:
-        placement = getattr(backend, "placement", None)
-        precision = placement.precision if placement is not None else "?"
-        describe = getattr(source, "describe", None)
-        location = describe(state.step - 1) if describe else describe_batch(micro_batches[0])
+        location = source.describe(state.step - 1)
         raise TrainingDiverged(
             f"loss or gradients not finite for {state.bad_in_a_row} steps in a row (last: step {state.step}, "
             f"lr {lr:.3e}, precision {precision}, batch {location})",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
+
+from ptbr.files import append_lines, write_text
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_bytes", "elapsed_s")
 
@@ -17,22 +20,14 @@ class MetricsLog:
         self.jsonl = run_dir / "metrics.jsonl"
         self.csv = run_dir / "metrics.csv"
         kept = [row for row in read_metrics(self.jsonl) if row["step"] <= resume_step] if resume_step else []
-        with open(self.jsonl, "w", encoding="utf-8") as f:
-            for row in kept:
-                f.write(json.dumps(row) + "\n")
-        with open(self.csv, "w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow(COLUMNS)
-            for row in kept:
-                writer.writerow(_csv_row(row))
+        write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in kept), "metrics.jsonl")
+        write_text(self.csv, _csv_lines([COLUMNS] + [_csv_row(row) for row in kept]), "metrics.csv")
         self.last: dict | None = kept[-1] if kept else None
 
     def write(self, row: dict) -> None:
         row = {name: _clean(row.get(name)) for name in COLUMNS}
-        with open(self.jsonl, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        with open(self.csv, "a", newline="", encoding="utf-8") as f:
-            csv.writer(f).writerow(_csv_row(row))
+        append_lines(self.jsonl, [json.dumps(row) + "\n"], "metrics.jsonl")
+        append_lines(self.csv, [_csv_lines([_csv_row(row)])], "metrics.csv")
         self.last = row
 
 
@@ -40,11 +35,14 @@ def read_metrics(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             break  # a line cut by a crash ends the readable part
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            break
+        rows.append(row)
     return rows
 
 
@@ -66,6 +64,12 @@ def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def _csv_lines(rows: list) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows(rows)
+    return buffer.getvalue()
 
 
 def _csv_row(row: dict) -> list:

@@ -11,19 +11,24 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
+from ptbr.errors import HangDetected
 from ptbr.log import log
 
-EXIT_HANG = 8
+EXIT_HANG = HangDetected.exit_code
 BEFORE_FIRST_STEP_S = 1800.0  # model download/build, data checks, first CUDA kernels
 AFTER_FIRST_STEP_FACTOR = 20.0
 AFTER_FIRST_STEP_MIN_S = 300.0
 
 
 class Watchdog:
-    def __init__(self, run_dir: Path, timeout_s: float | None, action: str = "exit", device=None):
-        self.run_dir, self.configured, self.action, self.device = run_dir, timeout_s, action, device
+    def __init__(self, run_dir: Path, timeout_s: float | None, action: str = "exit",
+                 memory_report: Callable[[], str] | None = None):
+        """memory_report: the backend's description of the memory in use, for the hang report."""
+        self.run_dir, self.configured, self.action = run_dir, timeout_s, action
+        self.memory_report = memory_report
         self.limit = timeout_s if timeout_s is not None else BEFORE_FIRST_STEP_S
         self.last_beat = time.monotonic()
         self.phase = "starting (before the first step)"
@@ -74,19 +79,17 @@ class Watchdog:
             f.write("\nstacks of every thread (most recent call first):\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        message = (f"error: no progress for {waited:.0f} s while {self.phase} (hang report in {path}); "
-                   f"fix: read the stacks there; raise --hang-timeout if the step is just slow")
-        log(message)
+        what = (f"no progress for {waited:.0f} s while {self.phase} (hang report in {path}); "
+                "fix: read the stacks there; raise --hang-timeout if the step is just slow")
         if self.action == "warn":
-            log("hang watchdog: --hang-action warn, still waiting")
+            log(f"warning: {what}; --hang-action warn: still waiting")
+        else:
+            log(f"error: {what}")
 
     def _memory(self) -> str:
         try:
-            import torch
-
-            if self.device is not None and self.device.type == "cuda":
-                return (f"allocated {torch.cuda.memory_allocated(self.device):,} B, "
-                        f"peak {torch.cuda.max_memory_allocated(self.device):,} B")
+            if self.memory_report is not None:
+                return self.memory_report()
             import psutil
 
             return f"process RSS {psutil.Process().memory_info().rss:,} B"

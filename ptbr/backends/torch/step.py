@@ -1,40 +1,12 @@
-"""The torch training step: forward, loss, backward over the micro-batches of one optimizer step.
-
-This is the only backend-specific part of training; ptbr/mlx has the same interface for MLX.
-"""
+"""The torch training step: forward, loss, backward over the micro-batches of one optimizer step,
+clipping, the update (with GradScaler in fp16), evaluation, and the state a checkpoint holds."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-IGNORE_INDEX = -100
-
-# A batch is a dict of numpy arrays: input_ids (B, T), labels (B, T) already aligned with the
-# inputs (labels[:, t] is the token that should follow input_ids[:, t]; IGNORE_INDEX where no
-# loss is taken), and optionally attention_mask (B, T) for padded fine-tuning batches.
-Batch = dict
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean loss per target token over the whole optimizer step
-    grad_norm: float  # before clipping
-    target_tokens: int
-    input_tokens: int
-    skipped: bool  # the update was not applied (non-finite loss or gradients)
-
-
-def windows_to_batch(windows: np.ndarray) -> Batch:
-    """Pretraining: (B, T + 1) token windows -> inputs and next-token labels, shifted once here."""
-    return {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
-
-
-def target_count(batch: Batch) -> int:
-    return int((batch["labels"] != IGNORE_INDEX).sum())
+from ptbr.data.batch import IGNORE_INDEX, Batch, StepResult, input_count, target_count
 
 
 class TorchStep:
@@ -46,6 +18,7 @@ class TorchStep:
         self.model = model
         self.optimizer = optimizer
         self.placement = placement
+        self.precision = placement.precision
         self.max_grad_norm = max_grad_norm
         self.scaler = torch.amp.GradScaler(placement.device.type, enabled=placement.precision == "fp16")
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -74,7 +47,7 @@ class TorchStep:
 
         self.model.train()
         targets = sum(target_count(b) for b in micro_batches)
-        inputs = sum(int(np.asarray(b["input_ids"]).size) for b in micro_batches)
+        inputs = input_count(micro_batches)
         if targets == 0:
             return StepResult(float("nan"), float("nan"), 0, inputs, True)
         total = torch.zeros((), device=self.placement.device)
@@ -148,7 +121,7 @@ class TorchStep:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def memory_bytes(self) -> int:
-        from ptbr.train.device import memory_in_use
+        from ptbr.backends.torch.device import memory_in_use
 
         return memory_in_use(self.placement.device)
 

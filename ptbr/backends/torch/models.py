@@ -1,4 +1,4 @@
-"""Building the Llama-style decoders of the presets as `transformers` models."""
+"""The presets as `transformers` LlamaForCausalLM models (torch)."""
 
 from __future__ import annotations
 

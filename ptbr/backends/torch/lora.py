@@ -1,20 +1,16 @@
-"""The model of a fine-tuning run: the base (a Hugging Face causal LM, quantized to 4 or 8 bits or
-not), its tokenizer, and the LoRA adapter on top."""
+"""The torch model of a fine-tuning run: the base (a Hugging Face causal LM, quantized to 4 or 8
+bits by bitsandbytes, or not) with a PEFT LoRA adapter on top, and the adapter's PEFT files."""
 
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptbr.errors import ConfigError, DeviceError, ModelError
-from ptbr.finetune.data import use_default_chat_template
+from ptbr.finetune.base import check_base, load_error, local_path
 from ptbr.log import log
-
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 @dataclass
@@ -30,6 +26,20 @@ class AdaptedModel:
             self.initial = {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
                             if p.requires_grad}
 
+    @property
+    def config(self) -> dict:
+        """The base's Hugging Face config, as a dict (what the memory model reads)."""
+        return self.model.config.to_dict()
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the loaded base and adapter (4-bit weights as packed)."""
+        return int(self.model.get_memory_footprint())
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def reset(self) -> None:
         """The adapter back to its seeded initialisation, gradients dropped: --auto-fit's tries and
         a retry after an out-of-memory start from here without reloading the (quantized) base."""
@@ -40,48 +50,6 @@ class AdaptedModel:
                 if name in self.initial:
                     param.copy_(self.initial[name])
                     param.grad = None
-
-
-def check_base(base: str) -> None:
-    """A local base must be a directory with config.json and weights; anything else not on disk
-    must look like a hub id (loading it then needs network)."""
-    path = Path(base).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelError("the base model must be a directory", base, "give a Hugging Face model directory")
-        if not (path / "config.json").is_file():
-            raise ModelError("no config.json in the base model directory", base,
-                             "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
-        if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
-            raise ModelError("no weights (*.safetensors or pytorch_model*.bin) in the base model directory", base,
-                             "download the complete model, weights included")
-    elif not HUB_ID.match(base):
-        raise ModelError("base model directory not found", base, "give an existing Hugging Face model directory")
-
-
-def load_error(what: str, base: str, exc: Exception) -> ModelError:
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    local = Path(base).expanduser().exists()
-    fix = ("check that the directory holds a complete Hugging Face model" if local else
-           "give a local model directory (loading a hub id needs network and the model's name)")
-    return ModelError(f"cannot load the {what}: {reason}", base, fix)
-
-
-def load_tokenizer(base: str, trust_remote_code: bool = False):
-    """The base's tokenizer; one without a chat template gets DEFAULT_CHAT_TEMPLATE."""
-    from transformers import AutoTokenizer
-
-    check_base(base)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, hub errors: all mean "cannot load"
-        raise load_error("tokenizer", base, exc) from exc
-    if tokenizer.eos_token_id is None:
-        raise ModelError("the tokenizer has no end-of-sequence (eos) token", base,
-                         "set eos_token in the base's tokenizer_config.json")
-    if use_default_chat_template(tokenizer):
-        log("the tokenizer has no chat template: using ptbr's default (see README, Fine-tuning)")
-    return tokenizer
 
 
 def compute_dtype(precision: str):
@@ -170,17 +138,17 @@ def load_model(settings, placement) -> AdaptedModel:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
-    check_base(settings.base)
+    check_base(settings.base, settings.download)
     refuse_prequantized(settings.base)
     quantization = quantization_config(settings.quant, placement)
     options = {"dtype": compute_dtype(placement.precision), "trust_remote_code": settings.trust_remote_code}
     if quantization is not None:
         options["quantization_config"] = quantization
         options["device_map"] = {"": placement.device}
-    # a local base by its absolute path: adapter_config.json records it for loading without ptbr
-    source = str(Path(settings.base).expanduser().resolve()) if Path(settings.base).expanduser().exists() else settings.base
+    options["local_files_only"] = not settings.download
     try:
-        base = AutoModelForCausalLM.from_pretrained(source, **options)
+        # a local base by its absolute path: adapter_config.json records it for loading without ptbr
+        base = AutoModelForCausalLM.from_pretrained(local_path(settings.base), **options)
     except Exception as exc:  # noqa: BLE001
         if isinstance(exc, torch.OutOfMemoryError):
             raise DeviceError("out of memory while loading the base model", settings.base,

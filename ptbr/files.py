@@ -1,0 +1,168 @@
+"""Every file ptbr writes goes through here: whole directories and single files are written aside,
+fsynced, then swapped in, and a full disk, a file-size limit or a quota is one OutputError (exit 6)
+that says the previous version is intact, whichever library was writing (Python, torch.save,
+safetensors, tokenizers).
+
+Checkpoints, the final model, adapters, merged models, token datasets, metrics, reports, run
+configs and summaries all use these functions, so a crash or a full disk at any moment leaves the
+previous version of each, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ptbr.errors import OutputError
+
+# Prefixes of what a write in progress puts beside its target; a crash can leave them behind.
+LEFTOVER_PREFIXES = (".tmp-", ".old-")
+
+OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# How libraries that hide the errno report the same thing: safetensors (Rust) keeps the OS text,
+# torch.save's C++ writer only says that it could not write ("unexpected pos ...").
+OUT_OF_SPACE_TEXT = re.compile(
+    r"no space left|file too large|quota exceeded|os error (28|27|122)\b|StorageFull|FileTooLarge|"
+    r"unexpected pos|PytorchStreamWriter failed", re.IGNORECASE)
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """True when `exc` (or what caused it) is a full disk, a file-size limit or a quota."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in OUT_OF_SPACE_ERRNOS:
+            return True
+        if not isinstance(exc, OSError) and OUT_OF_SPACE_TEXT.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def write_error(exc: BaseException, what: str, where: Path | str, fix: str | None = None) -> OutputError | None:
+    """The OutputError for a failed write of `what`, or None when `exc` is not about writing."""
+    if out_of_space(exc):
+        return OutputError(f"the disk filled up (or a file size limit or quota was hit) while writing {what}: "
+                           f"{first_line(exc)}", str(where),
+                           f"{fix or 'free space where the output goes'}; what was saved before is intact")
+    if isinstance(exc, OSError):
+        return OutputError(f"cannot write {what}: {exc.strerror or exc}", str(where),
+                           "check the permissions and free space of the output directory")
+    return None
+
+
+@contextmanager
+def writing(what: str, where: Path | str, fix: str | None = None) -> Iterator[None]:
+    """Turn a failed write inside the block into one OutputError; other errors pass through."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except Exception as exc:
+        error = write_error(exc, what, where, fix)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def write_directory(final: Path, fill: Callable[[Path], None], what: str, fix: str | None = None) -> Path:
+    """Call fill(tmp) on an empty directory beside `final`, fsync it, then make it `final`.
+    A failure at any point leaves the previous `final` in place."""
+    final = Path(final)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing(what, final, fix):
+            tmp.mkdir(parents=True)
+            fill(tmp)
+            for path in sorted(tmp.rglob("*")):
+                if path.is_file():
+                    fsync(path)
+            fsync(tmp)
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            fsync(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            old.rename(final)  # the swap itself failed: put the previous version back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def write_file(path: Path, fill: Callable[[Path], None], what: str, fix: str | None = None) -> Path:
+    """Call fill(tmp) to write one file beside `path`, fsync it, then rename it over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    try:
+        with writing(what, path, fix):
+            fill(tmp)
+            fsync(tmp)
+            tmp.replace(path)
+            fsync(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_bytes(path: Path, data: bytes, what: str, fix: str | None = None) -> Path:
+    return write_file(path, lambda tmp: tmp.write_bytes(data), what, fix)
+
+
+def write_text(path: Path, text: str, what: str, fix: str | None = None) -> Path:
+    return write_bytes(path, text.encode("utf-8"), what, fix)
+
+
+def write_json(path: Path, data: Any, what: str | None = None, fix: str | None = None) -> Path:
+    """A JSON file, written atomically (values JSON does not know are written as strings)."""
+    text = json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n"
+    return write_text(path, text, what or Path(path).name, fix)
+
+
+def append_lines(path: Path, lines: list[str], what: str) -> None:
+    """Append whole lines (a log-like file: a line cut by a crash is dropped by its reader)."""
+    with writing(what, path), open(path, "a", encoding="utf-8", newline="") as f:
+        f.write("".join(lines))
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Delete what writes cut short by a crash left in `folder` (call it holding the run lock)."""
+    for prefix in LEFTOVER_PREFIXES:
+        for leftover in folder.glob(f"{prefix}*"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: Path | str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,109 @@
+"""The base model of a fine-tuning run as files: where it is, whether it is complete, its tokenizer.
+
+Backend-neutral (transformers' tokenizers need no torch): the torch and MLX backends both load the
+weights themselves, from a directory this module has checked. ptbr never downloads unless asked
+(--download): a path that does not exist is an error at once, not a minute of hub retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from ptbr.errors import ModelError
+from ptbr.finetune.data import use_default_chat_template
+from ptbr.log import log
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # "gpt2" or "mistralai/Mistral-7B-v0.1"
+ORG_AND_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a mistyped path is taken for only if it has a slash
+
+
+def is_local(base: str) -> bool:
+    return Path(base).expanduser().exists()
+
+
+def check_base(base: str, download: bool = False, what: str = "base model") -> None:
+    """A local base must be a directory with config.json and weights. Anything else is an error,
+    unless `download` allows a Hugging Face Hub id."""
+    path = Path(base).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"the {what} must be a directory, not a file", base,
+                             "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
+        if not (path / "config.json").is_file():
+            raise ModelError(f"no config.json in the {what} directory", base,
+                             "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
+        if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+            raise ModelError(f"no weights (*.safetensors or pytorch_model*.bin) in the {what} directory", base,
+                             "download the complete model, weights included")
+        return
+    if download and HUB_ID.match(base):
+        return
+    fix = "give an existing local model directory"
+    if ORG_AND_NAME.match(base):
+        fix += f", or add --download to fetch {base} from the Hugging Face Hub"
+    raise ModelError(f"{what} directory not found", base, fix)
+
+
+def local_path(base: str) -> str:
+    """A local base by its absolute path (adapters record it so they load without ptbr); a hub id as is."""
+    path = Path(base).expanduser()
+    return str(path.resolve()) if path.exists() else base
+
+
+def load_error(what: str, base: str, exc: Exception) -> ModelError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    fix = ("check that the directory holds a complete Hugging Face model" if is_local(base) else
+           "check the hub id and your network (or give a local model directory)")
+    return ModelError(f"cannot load the {what}: {reason}", base, fix)
+
+
+def load_tokenizer(base: str, trust_remote_code: bool = False, download: bool = False):
+    """The base's tokenizer; one without a chat template gets DEFAULT_CHAT_TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    check_base(base, download)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=trust_remote_code,
+                                                  local_files_only=not download)
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, hub errors: all mean "cannot load"
+        raise load_error("tokenizer", base, exc) from exc
+    if tokenizer.eos_token_id is None:
+        raise ModelError("the tokenizer has no end-of-sequence (eos) token", base,
+                         "set eos_token in the base's tokenizer_config.json")
+    if use_default_chat_template(tokenizer):
+        log("the tokenizer has no chat template: using ptbr's default (see README, Fine-tuning)")
+    return tokenizer
+
+
+def read_config(base: str) -> dict | None:
+    """The base's config.json as a dict (None for a hub id not on disk)."""
+    path = Path(base).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"config.json is not valid JSON: {exc}", str(path),
+                         "give a complete Hugging Face model directory") from exc
+    if not isinstance(config, dict):
+        raise ModelError("config.json does not hold an object", str(path), "give a complete Hugging Face model directory")
+    return config
+
+
+def fingerprint(base: str) -> str:
+    """What identifies a base for resuming: its config.json and the names and sizes of its weight
+    files (a hub id: the id itself). Cheap: the weights are not read."""
+    path = Path(base).expanduser()
+    if not path.is_dir():
+        return f"hub:{base}"
+    digest = hashlib.sha256()
+    config = path / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for pattern in WEIGHT_PATTERNS:
+        for weights in sorted(path.glob(pattern)):
+            digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return digest.hexdigest()[:16]

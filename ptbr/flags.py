@@ -1,0 +1,56 @@
+"""Command-line flags made from the settings dataclasses: one flag per field, with the field's help,
+default and choices. No torch here: `ptbr --help` stays fast.
+
+Flags default to "not given" (argparse.SUPPRESS), so that the dataclass stays the one place a
+default lives and a --config file can fill what the command line leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ptbr.config import MODES, FinetuneConfig, PretrainConfig, base_type, settings_fields
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset(),
+                       prefix_help: str = "") -> None:
+    """One flag per field of the settings dataclass `cls` (except `skip`), then --config."""
+    for f, annotation in settings_fields(cls):
+        if f.name in skip:
+            continue
+        help_text = prefix_help + f.metadata.get("help", "")
+        if f.default is not None:
+            help_text += f" (default: {f.default})"
+        kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+        kind = base_type(annotation)
+        if kind is bool:
+            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        choices = f.metadata.get("choices")
+        if choices:  # argparse then shows {a,b,c} and refuses anything else
+            kwargs["choices"] = choices
+        else:
+            kwargs["metavar"] = f.name.upper()
+        parser.add_argument(flag_name(f.name), type=kind, **kwargs)
+    if "config" not in skip:
+        parser.add_argument("--config", help="JSON or YAML file with the same settings in snake_case; flags override it")
+
+
+def given_settings(cls: type, args: argparse.Namespace) -> dict:
+    """The settings of `cls` that the command line gave."""
+    return {f.name: getattr(args, f.name) for f, _ in settings_fields(cls) if hasattr(args, f.name)}
+
+
+def add_preflight_flags(parser: argparse.ArgumentParser) -> None:
+    """`ptbr preflight`: --mode, --load-test, and every flag of train and finetune (each name once)."""
+    parser.add_argument("--mode", choices=tuple(MODES), default="pretrain",
+                        help="plan a pretraining (ptbr train) or a fine-tuning (ptbr finetune) run (default: pretrain)")
+    parser.add_argument("--load-test", action="store_true",
+                        help="finetune: also load the base model's weights, as the run will (slow for large models)")
+    add_settings_flags(parser, PretrainConfig)  # also --config, and --output: where the reports go
+    taken = {f.name for f, _ in settings_fields(PretrainConfig)} | {"config"}
+    add_settings_flags(parser, FinetuneConfig, skip=taken, prefix_help="(finetune) ")

@@ -1,0 +1,283 @@
+"""What every run does around the loop, pretraining or fine-tuning, on any backend.
+
+- The run directory: created, locked against a second run, logged to train.log (errors included).
+- Where to resume from, checked in one place before any model is built: the checkpoint must belong
+  to this run (same mode, backend, model, data and batching, recorded in its trainer_state.json),
+  be intact (every file's sha256), and not be past --max-steps. A run that starts over moves the
+  previous run's files to OUTPUT/previous/, so no later --resume auto can pick them up.
+- run_config.json and training_summary.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ptbr.config import default_warmup
+from ptbr.errors import ConfigError, ModelError, OutputError, error_line
+from ptbr.files import remove_leftovers, write_json
+from ptbr.log import attach_run_log, detach, log, to_file_only
+from ptbr.train.checkpoint import checkpoints_dir, complete_checkpoints, corruption, read_state
+from ptbr.train.lock import RunLock
+from ptbr.train.loop import LoopState, TrainingStep
+from ptbr.train.metrics import loss_summary
+from ptbr.train.schedule import Schedule
+
+# What a run leaves in its directory. A run that starts over moves these to OUTPUT/previous/ (the
+# lock, train.log, which holds every session's lines, and preflight's files stay).
+RUN_FILES = ("checkpoints", "final", "adapters", "merged", "metrics.jsonl", "metrics.csv", "training_summary.json",
+             "run_config.json", "crash_report.txt", "hang_report.txt", "report.md", "plots", "tensorboard")
+PREVIOUS = "previous"
+
+
+def create_run_dir(output: str) -> Path:
+    run_dir = Path(output)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"cannot create or write the output directory: {exc.strerror or exc}", str(run_dir),
+                          "choose a path you can write to with --output") from exc
+    return run_dir
+
+
+@contextmanager
+def open_run(settings) -> Iterator[Path]:
+    """The run directory, created, locked against a second run, and logged to train.log while the
+    `with` block runs; the line of an error that ends the run goes to train.log too. With
+    --resume never, the previous run's files are moved aside first."""
+    run_dir = create_run_dir(settings.output)
+    with RunLock(run_dir):
+        remove_leftovers(run_dir)  # writes cut short by a crash (we hold the lock)
+        remove_leftovers(checkpoints_dir(run_dir))
+        handler = attach_run_log(run_dir)
+        try:
+            if settings.resume == "never":
+                moved = move_previous_run(run_dir)
+                if moved is not None:
+                    log(f"--resume never: starting over; the previous run's files were moved to {moved}")
+            yield run_dir
+        except BaseException as exc:
+            if not isinstance(exc, SystemExit):
+                to_file_only(handler, error_line(exc, "crash_report.txt in this directory"))
+            raise
+        finally:
+            detach(handler)
+
+
+def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:
+    """Move what a previous run left (RUN_FILES, or just `only`) to OUTPUT/previous/TIMESTAMP/.
+    Returns that folder, or None when there was nothing to move."""
+    found = only if only is not None else [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found:
+        return None
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H-%M-%SZ")
+    target = run_dir / PREVIOUS / stamp
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = run_dir / PREVIOUS / f"{stamp}-{suffix}"
+    try:
+        for path in found:
+            destination = target / path.relative_to(run_dir)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(destination)
+    except OSError as exc:
+        raise OutputError(f"cannot move the previous run's files aside: {exc.strerror or exc}", str(run_dir),
+                          "check the permissions of the output directory, or choose another --output") from exc
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Resume:
+    """Where a run starts: a checkpoint (with its trainer state and schedule), or nowhere."""
+
+    checkpoint: Path | None = None
+    state: dict | None = None
+    schedule: Schedule | None = None
+
+
+def find_resume(run_dir: Path, settings, identity: dict) -> Resume:
+    """The checkpoint to continue from, per --resume auto|never|PATH, checked against the run
+    (`identity`, `settings`) before any model is built. Raises ConfigError for a checkpoint of
+    another run or past --max-steps, ModelError for a named checkpoint that is missing or corrupt."""
+    if settings.resume == "never":
+        return Resume()  # open_run moved the previous run aside
+    if settings.resume == "auto":
+        path, state = _newest_usable(run_dir, settings, identity)
+        if path is None:
+            return Resume()
+    else:
+        path = Path(settings.resume).expanduser()
+        if not path.is_dir():
+            raise ModelError("checkpoint not found", str(path),
+                             "give a checkpoints/step_NNNNNN directory, or --resume auto or never")
+        state = read_state(path)
+        if state is None:
+            raise ModelError("the checkpoint is incomplete (a file is missing or has the wrong size)", str(path),
+                             "give another checkpoint, or --resume auto to pick the newest complete one")
+        _check_belongs(path, state, settings, identity)
+        problem = corruption(path, state)
+        if problem:
+            raise ModelError(f"the checkpoint is corrupt: {problem}", str(path),
+                             "give another checkpoint, or --resume auto to pick the newest intact one")
+        _set_aside_other_checkpoints(run_dir, path, state["step"])
+    schedule = Schedule.from_dict(state["scheduler"])
+    _log_resume(path, state, schedule, settings)
+    return Resume(path, state, schedule)
+
+
+def _newest_usable(run_dir: Path, settings, identity: dict) -> tuple[Path | None, dict | None]:
+    """--resume auto: the newest intact checkpoint of this run. A checkpoint of another run is
+    refused (not skipped: its older siblings belong to that run too); corrupt ones are set aside."""
+    found = complete_checkpoints(run_dir)
+    for path in reversed(found):
+        state = read_state(path)
+        _check_belongs(path, state, settings, identity)
+        problem = corruption(path, state)
+        if problem is None:
+            return path, state
+        aside = move_previous_run(run_dir, [path])
+        log(f"warning: checkpoint {path.name} is corrupt ({problem}): moved to {aside}; trying the previous one")
+    moved = move_previous_run(run_dir)  # what a run that never saved a usable checkpoint left
+    if moved is not None:
+        log(f"no usable checkpoint to resume from: starting over; the previous run's files were moved to {moved}")
+    return None, None
+
+
+def identity_problems(recorded: dict | None, requested: dict) -> list[str]:
+    """What differs between the run a checkpoint belongs to and the requested run."""
+    if not recorded:
+        return ["the checkpoint records no run identity (it was written by an older ptbr)"]
+    if recorded.get("mode") != requested.get("mode"):
+        kinds = {"pretrain": "a pretraining (ptbr train)", "finetune": "a fine-tuning (ptbr finetune)"}
+        return [f"it is {kinds.get(recorded.get('mode'), repr(recorded.get('mode')))} checkpoint and this is "
+                f"{kinds.get(requested['mode'], requested['mode'])} run"]
+    return [f"{key} is {recorded.get(key)!r} in the checkpoint, {requested.get(key)!r} now" for key in requested
+            if key != "mode" and recorded.get(key) != requested.get(key)]
+
+
+def schedule_problems(schedule: Schedule, settings) -> list[str]:
+    """A resumed run continues on its checkpoint's schedule: a different peak or floor, or an
+    explicitly different warmup, would silently change it."""
+    found = []
+    if settings.learning_rate != schedule.peak_lr:
+        found.append(f"learning_rate is {schedule.peak_lr:g} in the checkpoint, {settings.learning_rate:g} now")
+    if settings.min_lr_ratio != schedule.min_lr_ratio:
+        found.append(f"min_lr_ratio is {schedule.min_lr_ratio:g} in the checkpoint, {settings.min_lr_ratio:g} now")
+    derived = settings.warmup_steps == default_warmup(settings.max_steps)
+    if not derived and settings.warmup_steps != schedule.warmup_steps:
+        found.append(f"warmup_steps is {schedule.warmup_steps} in the checkpoint, {settings.warmup_steps} now")
+    return found
+
+
+def _check_belongs(path: Path, state: dict, settings, identity: dict) -> None:
+    problems = identity_problems(state.get("run", {}).get("identity") if isinstance(state.get("run"), dict) else None,
+                                 identity)
+    if not problems and "scheduler" in state:
+        problems = schedule_problems(Schedule.from_dict(state["scheduler"]), settings)
+    if problems:
+        raise ConfigError(f"the checkpoint belongs to another run: {'; '.join(problems)}", str(path),
+                          "rerun with the first run's settings, or start over with --resume never (the old run's "
+                          "files are moved to OUTPUT/previous/), or use another --output")
+    step = int(state["step"])
+    if step > settings.max_steps:
+        raise ConfigError(f"the checkpoint is at step {step}, past --max-steps {settings.max_steps}", str(path),
+                          f"give --max-steps {step} or more to continue it, or start over with --resume never")
+
+
+def _set_aside_other_checkpoints(run_dir: Path, chosen: Path, step: int) -> None:
+    """--resume PATH: checkpoints of this directory that a later --resume auto would prefer (newer
+    than PATH, or every one when PATH is elsewhere) are moved aside; so is a previous run's output."""
+    inside = chosen.resolve().parent == checkpoints_dir(run_dir).resolve()
+    if inside:
+        newer = [p for p in complete_checkpoints(run_dir, quiet=True) if p.resolve() != chosen.resolve()
+                 and (read_state(p) or {}).get("step", 0) > step]
+        moved = move_previous_run(run_dir, newer) if newer else None
+        if moved is not None:
+            log(f"resuming from step {step}: the {len(newer)} newer checkpoint(s) were moved to {moved}")
+    else:
+        moved = move_previous_run(run_dir)
+        if moved is not None:
+            log(f"resuming from {chosen}: this directory's previous run was moved to {moved}")
+
+
+def _log_resume(path: Path, state: dict, schedule: Schedule, settings) -> None:
+    step = int(state["step"])
+    log(f"resuming from {path} (step {step})")
+    if step == settings.max_steps:
+        log(f"the run already reached --max-steps {settings.max_steps}: writing its results again")
+    elif settings.max_steps > schedule.horizon:
+        floor = schedule.peak_lr * schedule.min_lr_ratio
+        log(f"--max-steps {settings.max_steps} goes past the {schedule.horizon} steps the schedule was planned "
+            f"for: steps {max(step, schedule.horizon) + 1}-{settings.max_steps} train at its final learning rate "
+            f"{floor:.2e}")
+    elif settings.max_steps < schedule.horizon:
+        log(f"--max-steps {settings.max_steps} stops before the end of the schedule (planned for "
+            f"{schedule.horizon} steps): the learning rate will not have decayed fully")
+
+
+def start_state(step: TrainingStep, resume: Resume) -> LoopState:
+    """The loop's state at the start: fresh, or the checkpoint's, loaded into the training step
+    (weights, optimizer, scaler, RNG). A checkpoint that fails to load is one ModelError."""
+    if resume.checkpoint is None:
+        return LoopState()
+    try:
+        step.load_state(resume.checkpoint)
+    except Exception as exc:  # noqa: BLE001 - whatever the library raises, the checkpoint cannot be used
+        reason = type(exc).__name__ if "weights_only" in str(exc) else str(exc).strip().splitlines()[0][:200]
+        raise ModelError(f"cannot load the checkpoint: {reason}", str(resume.checkpoint),
+                         "resume from another checkpoint (--resume PATH), or start over with --resume never") from exc
+    return LoopState.from_dict(resume.state["loop"])
+
+
+# --------------------------------------------------------------------------------------------
+# run_config.json and training_summary.json
+# --------------------------------------------------------------------------------------------
+
+
+def write_run_config(run_dir: Path, command: str, settings, backend, resume: Resume, extra: dict) -> None:
+    write_json(run_dir / "run_config.json", {
+        "command": command,
+        "settings": dataclasses.asdict(settings),
+        **extra,
+        "backend": backend.name, "device": backend.device, "precision": backend.precision,
+        "versions": backend.versions(),
+        "resumed_from": str(resume.checkpoint) if resume.checkpoint else None,
+    }, "run_config.json")
+
+
+def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict, result: str) -> dict:
+    """training_summary.json (the run's numbers and `extra`), and the last log line."""
+    summary = {
+        "steps": state.step,
+        "tokens_seen": state.tokens_seen,
+        **loss_summary(run_dir),
+        "best_val_loss": state.best_val_loss,
+        "best_step": state.best_step,
+        "skipped_steps": state.skipped_steps,
+        "elapsed_s": round(state.elapsed_s, 3),
+        "this_session_s": round(time.monotonic() - session_started, 3),
+        **extra,
+    }
+    write_json(run_dir / "training_summary.json", summary, "training_summary.json")
+    line = f"done: {state.step} steps"
+    if summary["final_loss"] is not None:
+        line += f", final loss {summary['final_loss']:.4f}"
+    if state.best_val_loss is not None:
+        line += f", best val_loss {state.best_val_loss:.4f} (step {state.best_step})"
+    log(f"{line}; {result}")
+    return summary
+

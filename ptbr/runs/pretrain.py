@@ -1,0 +1,116 @@
+"""`ptbr train`: settings -> data -> resume check -> model and optimizer (from the backend) ->
+fit() -> final/ and training_summary.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from ptbr.backends import create_backend
+from ptbr.config import PretrainConfig, get_preset
+from ptbr.data import SAMPLE_DIR
+from ptbr.data.batch import windows_to_batch
+from ptbr.data.tokenizer import save_for_transformers
+from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset, eval_windows, open_dataset
+from ptbr.files import file_sha256, write_directory
+from ptbr.log import log
+from ptbr.runs.common import find_resume, finish, open_run, start_state, write_run_config
+from ptbr.train.autofit import auto_fit, ram_guard, resume_smaller_on_oom
+from ptbr.train.loop import fit
+from ptbr.train.schedule import Schedule
+from ptbr.train.watchdog import Watchdog
+
+
+def run_pretrain(settings: PretrainConfig) -> dict:
+    """Pretrain a preset from scratch (or resume); returns training_summary.json's contents."""
+    backend = create_backend(settings.backend, settings.device, settings.precision)
+    with open_run(settings) as run_dir, \
+            Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report) as watchdog:
+        if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
+            return resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog), settings, run_dir)
+        return _run(settings, backend, run_dir, watchdog)
+
+
+def identity(settings: PretrainConfig, dataset: TokenDataset, backend) -> dict:
+    """What a checkpoint must share with this run to be resumed by it."""
+    return {"mode": "pretrain", "backend": backend.name, "model_size": settings.model_size,
+            "vocab_size": dataset.vocab_size, "tokenizer_sha256": file_sha256(dataset.tokenizer_path)[:16],
+            "train_data": dataset.fingerprint(), "seq_len": settings.seq_len, "seed": settings.seed,
+            "effective_batch": settings.batch_size * settings.grad_accum}
+
+
+def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -> dict:
+    data_dir = settings.data or SAMPLE_DIR
+    if settings.data is None:
+        log(f"no --data given: training on the bundled PT-BR sample ({SAMPLE_DIR})")
+    dataset = open_dataset(data_dir, settings.tokenizer)
+    for warning in dataset.warnings:
+        log(f"warning: {warning}")
+    preset = get_preset(settings.model_size)
+    source = PretrainBatches(dataset, settings.batch_size, settings.grad_accum, settings.seq_len, settings.seed)
+    run_identity = identity(settings, dataset, backend)
+    resume = find_resume(run_dir, settings, run_identity)
+    log(f"backend {backend.name}, device {backend.device}, precision {backend.precision} ({backend.reason})")
+
+    if settings.auto_fit:
+        settings = _auto_fit(settings, backend, dataset, preset)
+        source = PretrainBatches(dataset, settings.batch_size, settings.grad_accum, settings.seq_len, settings.seed)
+    pad_id = dataset.meta.get("pad_id") if dataset.meta else None
+    step = backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id, settings)
+    n_params = backend.parameter_count(step)
+    log(f"model {preset.name}: {n_params:,} parameters, vocab {dataset.vocab_size}, seq_len {settings.seq_len}")
+    state = start_state(step, resume)
+
+    write_run_config(run_dir, "train", settings, backend, resume, {
+        "data": str(data_dir), "tokenizer": str(dataset.tokenizer_path),
+        "model": dataclasses.asdict(preset) | {"vocab_size": dataset.vocab_size, "parameters": n_params},
+        "tokens_per_step": settings.batch_size * settings.grad_accum * settings.seq_len,
+    })
+
+    eval_batches = None
+    if dataset.val is not None:
+        windows = eval_windows(dataset.val, dataset.val_path, settings.batch_size, settings.seq_len,
+                               dataset.vocab_size, settings.eval_batches)
+        eval_batches = [windows_to_batch(w) for w in windows] or None
+    if eval_batches is None:
+        log("warning: no usable val.bin: training without evaluation")
+
+    started = time.monotonic()
+    schedule = resume.schedule or Schedule.from_settings(settings)
+    state = fit(step, source, eval_batches, settings, run_dir, state, schedule, {"run": {"identity": run_identity}},
+                watchdog=watchdog)
+    watchdog.beat("writing final/")
+
+    def fill(directory: Path) -> None:
+        backend.write_model(step, directory)
+        save_for_transformers(dataset.tokenizer_path, directory)
+
+    final = write_directory(run_dir / "final", fill, "the final model")
+    return finish(run_dir, state, started, {"parameters": n_params, "final_model": str(final),
+                                             "backend": backend.name}, f"model in {final}")
+
+
+def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) -> PretrainConfig:
+    """--auto-fit: every window is seq_len long, so any batch is the longest. Each try builds a
+    throwaway model; returns the settings with the batch_size and grad_accum that fit."""
+
+    def make_step(batch_size: int):
+        pad_id = dataset.meta.get("pad_id") if dataset.meta else None
+        return backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id,
+                                     dataclasses.replace(settings, batch_size=batch_size))
+
+    def longest_batch(batch_size: int) -> dict:
+        windows = RandomWindows(dataset.train, dataset.train_path, batch_size, settings.seq_len, dataset.vocab_size,
+                                settings.seed)
+        return windows_to_batch(windows.batch(0))
+
+    too_big = None
+    if backend.device == "cpu":
+        from ptbr.memory import Architecture, estimate_training_memory
+
+        arch = Architecture.from_preset(preset, dataset.vocab_size)
+        too_big = ram_guard(lambda b: estimate_training_memory(arch, b, settings.seq_len, backend.precision,
+                                                               settings.gradient_checkpointing).total)
+    choice = auto_fit(backend, make_step, longest_batch, settings.batch_size, settings.grad_accum, too_big)
+    return dataclasses.replace(settings, batch_size=choice.batch_size, grad_accum=choice.grad_accum)

@@ -9,8 +9,10 @@ every session here installs from them.
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import re
+import sys
 from pathlib import Path
 
 import nox
@@ -21,10 +23,21 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 ROOT = Path(__file__).resolve().parent
-# The locks are resolved for CPython 3.11 (docker/build.py, IMAGE_PYTHON): the CPU torch wheel
-# they pin by hash exists for that Python only. nox finds a python3.11 on PATH (or downloads one
-# where nox has its [pbs] extra).
-LOCK_PYTHON = "3.11"
+
+
+def load_build_script():
+    """docker/build.py, which makes the locks and knows what they were made for."""
+    spec = importlib.util.spec_from_file_location("ptbr_build_for_nox", ROOT / "docker" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD = load_build_script()
+# The locks are resolved for CPython 3.11: the CPU torch wheel they pin by hash exists for that
+# Python only. nox finds a python3.11 on PATH (or downloads one where nox has its [pbs] extra).
+LOCK_PYTHON = BUILD.IMAGE_PYTHON
 # Which lock each kind of session installs, per platform. cpu.txt is exactly what the ptbr-cpu
 # image ships (core + finetune); ci.txt adds the kaggle and dev extras and MLX's CPU build, so the
 # MLX path is tested for real on Linux too. On Apple Silicon macos.txt holds all of it.
@@ -48,7 +61,7 @@ def lock_for(session: nox.Session, purpose: str, system: str | None = None,
         session.error(
             f"locks/ holds no lock for {system} {machine} (this session's covers {covered}). "
             f"Install unlocked in an environment of your own instead: "
-            f"pip install 'torch==2.13.0' -e '.[{extras}]'")
+            f"pip install 'torch=={BUILD.TORCH_VERSION}' -e '.[{extras}]'")
     return ROOT / "locks" / f"{name}.txt"
 
 
@@ -73,19 +86,28 @@ def lock_entries(lock: Path, names: set[str]) -> str:
     return "\n".join(kept) + "\n"
 
 
+def torch_index(lock: Path) -> list[str]:
+    """PyPI has no CPU build of torch: a lock that pins one gets PyTorch's CPU index, unless pip is
+    configured with a folder holding that wheel (as on ptbr's machines, which cannot reach the
+    index). The lock's hash decides which file is accepted either way."""
+    if "+cpu" not in BUILD.LOCKS[lock.stem].torch or BUILD.local_torch_cpu_dirs():
+        return []
+    return ["--extra-index-url", BUILD.TORCH_CPU_INDEX]
+
+
 def install_locked(session: nox.Session, lock: Path) -> None:
     """Every dependency from the lock (hash-checked), then ptbr from this checkout without its
     dependencies; what the lock does not name is removed, so that a reused environment holds the
     lock and nothing else."""
-    session.install("--require-hashes", "-r", str(lock))
+    session.install("--require-hashes", "-r", str(lock), *torch_index(lock))
     # The build backend (setuptools) is in every lock: no unpinned build environment either.
     session.install("--no-deps", "--no-build-isolation", "-e", ".")
-    listed = session.run("python", "-m", "pip", "list", "--format=freeze", "--exclude-editable",
-                         silent=True) or ""
+    listed = session.run_install("python", "-m", "pip", "list", "--format=freeze",
+                                 "--exclude-editable", silent=True) or ""
     locked = {pinned_name(line) for line in lock.read_text().splitlines()} | SEEDED
     strays = [line.split("==")[0] for line in listed.split() if pinned_name(line) not in locked]
     if strays:
-        session.run("python", "-m", "pip", "uninstall", "--yes", *strays)
+        session.run_install("python", "-m", "pip", "uninstall", "--yes", *strays)
 
 
 @nox.session(python=LOCK_PYTHON)
@@ -155,5 +177,5 @@ def locks(session: nox.Session) -> None:
     """Regenerate the hash-locked requirements in locks/ from pyproject.toml (uv pip compile).
 
     The one session that cannot install from a lock (it makes them): it pins uv exactly."""
-    session.install("uv==0.13.9")
+    session.install(f"uv=={BUILD.UV_VERSION}")
     session.run("python", "docker/build.py", "locks", *session.posargs)

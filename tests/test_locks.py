@@ -223,6 +223,9 @@ class CommandList:
     def run(self, *args: str, **_) -> None:
         pass
 
+    def run_install(self, *args: str, **_) -> None:
+        pass
+
     def create_tmp(self) -> str:
         return str(self.tmp)
 
@@ -252,12 +255,15 @@ def test_sessions_install_the_lock_then_the_checkout_without_dependencies(noxfil
     assert len(listed.installs) == 2, f"the lock, then the checkout: {listed.installs}"
     lock_install, checkout_install = listed.installs
     assert lock_install[:2] == ("--require-hashes", "-r")
-    assert Path(lock_install[2]).parent == ROOT / "locks" and Path(lock_install[2]).exists()
+    lock = Path(lock_install[2])
+    assert lock.parent == ROOT / "locks" and lock.exists()
+    cpu_torch_from_pytorch = "+cpu" in BUILD.LOCKS[lock.stem].torch and not BUILD.local_torch_cpu_dirs()
+    assert lock_install[3:] == (("--extra-index-url", BUILD.TORCH_CPU_INDEX) if cpu_torch_from_pytorch else ())
     assert checkout_install == ("--no-deps", "--no-build-isolation", "-e", ".")
     assert noxfile.sessions[session].python == BUILD.IMAGE_PYTHON, "the Python the locks are resolved for"
     if (platform.system(), platform.machine()) == ("Linux", "x86_64"):
         expected = {"tests": "ci.txt", "bench": "cuda.txt" if posargs else "cpu.txt"}.get(session, "cpu.txt")
-        assert Path(lock_install[2]).name == expected
+        assert lock.name == expected
 
 
 def test_lint_installs_ruff_as_the_ci_lock_pins_it(noxfile, tmp_path):

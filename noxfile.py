@@ -1,69 +1,162 @@
-"""Developer and CI sessions: `nox -s tests`, `nox -s smoke`, `nox -s lint` (see README)."""
+"""Developer and CI sessions: `nox -s tests`, `nox -s smoke`, `nox -s lint` (see README).
+
+Every session that installs Python packages installs them from a hash-locked file in locks/
+(`pip install --require-hashes -r locks/X.txt`), then ptbr from this checkout without its
+dependencies, so that a new upstream release changes nothing until `nox -s locks` is run and the
+result committed. tests/test_locks.py checks that the locks agree with pyproject.toml and that
+every session here installs from them.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import platform
+import re
 import sys
+from pathlib import Path
 
 import nox
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
+# A session whose Python cannot be found fails instead of being skipped with a warning.
+nox.options.error_on_missing_interpreters = True
 
-# Every CPU install pins torch exactly: any other version (or none) pulls gigabytes of CUDA wheels.
-TORCH_CPU = "torch==2.13.0"
-# MLX runs on Linux as mlx[cpu], so the Apple Silicon path is tested for real everywhere.
-MLX_LINUX = ["mlx[cpu]>=0.20", "mlx-lm>=0.20"] if sys.platform.startswith("linux") else []
-
-
-def install_ptbr(session: nox.Session, extras: str) -> None:
-    session.install(TORCH_CPU)
-    session.install("-e", f".[{extras}]", TORCH_CPU)
+ROOT = Path(__file__).resolve().parent
 
 
-@nox.session
+def load_build_script():
+    """docker/build.py, which makes the locks and knows what they were made for."""
+    spec = importlib.util.spec_from_file_location("ptbr_build_for_nox", ROOT / "docker" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILD = load_build_script()
+# The locks are resolved for CPython 3.11: the CPU torch wheel they pin by hash exists for that
+# Python only. nox finds a python3.11 on PATH (or downloads one where nox has its [pbs] extra).
+LOCK_PYTHON = BUILD.IMAGE_PYTHON
+# Which lock each kind of session installs, per platform. cpu.txt is exactly what the ptbr-cpu
+# image ships (core + finetune); ci.txt adds the kaggle and dev extras and MLX's CPU build, so the
+# MLX path is tested for real on Linux too. On Apple Silicon macos.txt holds all of it.
+LOCKS_BY_PLATFORM = {
+    ("Linux", "x86_64"): {"tests": "ci", "run": "cpu", "cuda": "cuda"},
+    ("Darwin", "arm64"): {"tests": "macos", "run": "macos"},
+}
+# Installer tooling that a virtual environment starts with; a lock need not name it.
+SEEDED = {"pip", "setuptools", "wheel"}
+
+
+def lock_for(session: nox.Session, purpose: str, system: str | None = None,
+             machine: str | None = None) -> Path:
+    """The lock file that `purpose` ("tests", "run" or "cuda") installs on this platform (or the
+    one named); elsewhere the session stops and says how to install without a lock."""
+    system, machine = system or platform.system(), machine or platform.machine()
+    name = LOCKS_BY_PLATFORM.get((system, machine), {}).get(purpose)
+    if name is None:
+        covered = " and ".join(f"{s} {m}" for (s, m), by in LOCKS_BY_PLATFORM.items() if purpose in by)
+        extras = "finetune,kaggle,dev" if purpose == "tests" else "finetune"
+        session.error(
+            f"locks/ holds no lock for {system} {machine} (this session's covers {covered}). "
+            f"Install unlocked in an environment of your own instead: "
+            f"pip install 'torch=={BUILD.TORCH_VERSION}' -e '.[{extras}]'")
+    return ROOT / "locks" / f"{name}.txt"
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned_name(line: str) -> str | None:
+    """The package a lock file's line pins (`name==version` or `name[extra]==version`), if any."""
+    match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==", line)
+    return canonical(match.group(1)) if match else None
+
+
+def lock_entries(lock: Path, names: set[str]) -> str:
+    """The entries (pin and hashes) of `names` in a lock file, as a requirements file's text."""
+    kept, keep = [], False
+    for line in lock.read_text().splitlines():
+        if line[:1].strip():  # an entry starts at column 0; its hashes and comments are indented
+            keep = pinned_name(line) in names
+        if keep:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+def torch_index(lock: Path) -> list[str]:
+    """PyPI has no CPU build of torch: a lock that pins one gets PyTorch's CPU index, unless pip is
+    configured with a folder holding that wheel (as on ptbr's machines, which cannot reach the
+    index). The lock's hash decides which file is accepted either way."""
+    if "+cpu" not in BUILD.LOCKS[lock.stem].torch or BUILD.local_torch_cpu_dirs():
+        return []
+    return ["--extra-index-url", BUILD.TORCH_CPU_INDEX]
+
+
+def install_locked(session: nox.Session, lock: Path) -> None:
+    """Every dependency from the lock (hash-checked), then ptbr from this checkout without its
+    dependencies; what the lock does not name is removed, so that a reused environment holds the
+    lock and nothing else."""
+    session.install("--require-hashes", "-r", str(lock), *torch_index(lock))
+    # The build backend (setuptools) is in every lock: no unpinned build environment either.
+    session.install("--no-deps", "--no-build-isolation", "-e", ".")
+    listed = session.run_install("python", "-m", "pip", "list", "--format=freeze",
+                                 "--exclude-editable", silent=True) or ""
+    locked = {pinned_name(line) for line in lock.read_text().splitlines()} | SEEDED
+    strays = [line.split("==")[0] for line in listed.split() if pinned_name(line) not in locked]
+    if strays:
+        session.run_install("python", "-m", "pip", "uninstall", "--yes", *strays)
+
+
+@nox.session(python=LOCK_PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole test suite (tiny models, real CLI, real QLoRA on CPU, real container build)."""
-    install_ptbr(session, "finetune,kaggle,dev")
-    if MLX_LINUX:
-        session.install(*MLX_LINUX, TORCH_CPU)
+    install_locked(session, lock_for(session, "tests"))
     session.run("pytest", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the package, the tests and this file."""
-    session.install("ruff>=0.6")
+    """ruff over the package, the tests and this file (the version and hashes locks/ci.txt pins)."""
+    requirements = Path(session.create_tmp()) / "ruff.txt"
+    requirements.write_text(lock_entries(ROOT / "locks" / "ci.txt", {"ruff"}))
+    session.install("--require-hashes", "--no-deps", "-r", str(requirements))
     session.run("ruff", "check", "ptbr", "tests", "noxfile.py", *session.posargs)
 
 
-@nox.session
+@nox.session(python=LOCK_PYTHON)
 def smoke(session: nox.Session) -> None:
     """A fresh environment, then `ptbr smoke`: one step of `tiny` on the bundled sample."""
-    install_ptbr(session, "dev")
+    install_locked(session, lock_for(session, "run"))
     session.run("ptbr", "smoke", *session.posargs)
 
 
-@nox.session
+@nox.session(python=LOCK_PYTHON)
 def preflight(session: nox.Session) -> None:
     """A fresh environment, then `ptbr preflight --mode pretrain` on the bundled sample.
 
     Exits 10 if a check fails; `-- FLAGS` plans another run, e.g. `-- --model-size 85m --seq-len 1024`."""
-    install_ptbr(session, "dev")
+    install_locked(session, lock_for(session, "run"))
     session.run("ptbr", "preflight", "--mode", "pretrain", "--output", "runs/preflight", *session.posargs)
 
 
-@nox.session(default=False)
+@nox.session(python=LOCK_PYTHON, default=False)
 def bench(session: nox.Session) -> None:
     """The memory model's predicted peaks against measured ones (the README's accuracy tables):
     pretraining, then LoRA/QLoRA.
 
-    The CPU grids take about 15 minutes on 2 cores; on a GPU machine with a CUDA torch, `-- --device cuda`."""
-    install_ptbr(session, "finetune,dev")
+    The CPU grids take about 15 minutes on 2 cores; on a GPU machine, `-- --device cuda` (the
+    environment then installs locks/cuda.txt, PyPI's CUDA build of torch)."""
+    cuda = "cuda" in session.posargs or "--device=cuda" in session.posargs
+    install_locked(session, lock_for(session, "cuda" if cuda else "run"))
     session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
     session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *session.posargs)
 
 
 # --- container images (docker/build.py holds the logic; see docker/README.md) -------------------
+# build.py uses the standard library only: these sessions install nothing.
 
 
 @nox.session(default=False)
@@ -74,12 +167,15 @@ def build(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def image_smoke(session: nox.Session) -> None:
-    """`ptbr smoke` inside the image that `nox -s build` made (`-- cuda` for ptbr-cuda)."""
+    """`ptbr smoke` inside the image that `nox -s build` made (`-- cuda` for ptbr-cuda; it gets
+    the GPU where one exists and runs on the CPU elsewhere)."""
     session.run("python", "docker/build.py", "smoke", *session.posargs)
 
 
 @nox.session(default=False)
 def locks(session: nox.Session) -> None:
-    """Regenerate the hash-locked requirements in locks/ from pyproject.toml (uv pip compile)."""
-    session.install("uv==0.13.9")
+    """Regenerate the hash-locked requirements in locks/ from pyproject.toml (uv pip compile).
+
+    The one session that cannot install from a lock (it makes them): it pins uv exactly."""
+    session.install(f"uv=={BUILD.UV_VERSION}")
     session.run("python", "docker/build.py", "locks", *session.posargs)

@@ -14,6 +14,7 @@ See docker/README.md for what each step does and why.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import re
@@ -41,7 +42,7 @@ LOCAL_BASE = "localhost/ptbr-base:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 
 # Image layers are stamped with this time and .pyc files are hashed, not dated, so that two builds
-# of one commit are bit-identical (see ../shared/CONTAINERS.md).
+# of one commit are bit-identical (docker/README.md, "Reproducible builds").
 SOURCE_DATE_EPOCH = "0"
 # Zip archives cannot hold dates before 1980, so the checkout's wheel is stamped 1980-01-01.
 WHEEL_DATE_EPOCH = "315532800"
@@ -54,7 +55,9 @@ UV_VERSION = "0.13.9"
 TORCH_VERSION = "2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
-# podman's defaults that these machines cannot apply (see ../shared/CONTAINERS.md).
+# podman's defaults fail on ptbr's CI machines: crun cannot set up their cgroups (runc can), and
+# podman's default ulimits are above what they allow. The same settings can instead go in a
+# containers.conf named by CONTAINERS_CONF ([engine] runtime, [containers] default_ulimits).
 PODMAN_RUN_FLAGS = [
     "--runtime", "runc",
     "--ulimit", "nofile=20000:20000",
@@ -206,10 +209,12 @@ def git_source() -> str:
 # --- lock files -------------------------------------------------------------------------------
 
 
-def local_torch_cpu_dirs() -> list[str]:
+@functools.cache
+def local_torch_cpu_dirs() -> tuple[str, ...]:
     """Folders of wheels that pip is configured with (find-links) holding the CPU torch wheel.
 
-    Where one exists the CPU locks and wheelhouses use it; elsewhere they use PyTorch's CPU index.
+    Where one exists the CPU locks, wheelhouses and nox sessions use it; elsewhere they use
+    PyTorch's CPU index.
     """
     candidates = os.environ.get("PIP_FIND_LINKS", "").split()
     try:
@@ -224,7 +229,7 @@ def local_torch_cpu_dirs() -> list[str]:
     for folder in dict.fromkeys(c.removeprefix("file://") for c in candidates):
         if list(Path(folder).glob(f"torch-{TORCH_VERSION}+cpu-*.whl")):
             found.append(folder)
-    return found
+    return tuple(found)
 
 
 def compile_lock(lock: Lock, uv: str) -> None:
@@ -544,17 +549,78 @@ def cmd_build(args: argparse.Namespace) -> None:
         Path(args.iidfile).write_text(image_id + "\n")
 
 
+# Where podman looks for CDI specs: the NVIDIA Container Toolkit writes the one that makes
+# `--device nvidia.com/gpu=all` resolvable (`nvidia-ctk cdi generate`).
+CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """What this machine shows of an NVIDIA GPU, to decide whether `smoke cuda` asks for one."""
+
+    # `nvidia-smi -L` lines, or the /dev/nvidiaN device nodes where nvidia-smi is not installed.
+    gpus: tuple[str, ...]
+    # CDI spec files that declare nvidia.com/gpu devices (podman needs one to hand a GPU over).
+    cdi_specs: tuple[Path, ...]
+
+
+def probe_gpu(dev: Path = Path("/dev"), cdi_dirs: tuple[Path, ...] = CDI_DIRS,
+              nvidia_smi: str = "nvidia-smi") -> GpuProbe:
+    gpus: list[str] = []
+    if shutil.which(nvidia_smi):
+        try:
+            listed = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=60)
+            if listed.returncode == 0:
+                gpus = [line.strip() for line in listed.stdout.splitlines() if line.startswith("GPU ")]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    if not gpus:
+        gpus = sorted(str(node) for node in dev.glob("nvidia[0-9]*"))
+    specs = [spec for folder in cdi_dirs for spec in sorted(folder.glob("*"))
+             if spec.suffix in (".yaml", ".yml", ".json") and spec.is_file()
+             and re.search(r'kind"?\s*:\s*"?nvidia\.com/gpu\b', spec.read_text(errors="replace"))]
+    return GpuProbe(tuple(gpus), tuple(specs))
+
+
+def gpu_run_flags(tool: str, probe: GpuProbe) -> tuple[list[str], str]:
+    """The `run` flags that give ptbr-cuda the GPU where one exists, and the line that says which.
+
+    Asking for a GPU that is not there fails before ptbr starts (podman: "unresolvable CDI
+    devices"), while ptbr-cuda runs on the CPU without one; so the request follows the probe.
+    """
+    if not probe.gpus:
+        return [], "no GPU found: running ptbr-cuda's smoke on the CPU"
+    found = f"GPU found ({probe.gpus[0]}{f' and {len(probe.gpus) - 1} more' if len(probe.gpus) > 1 else ''})"
+    if tool == "docker":
+        return ["--gpus", "all"], f"{found}: running ptbr-cuda's smoke on it (--gpus all)"
+    if not probe.cdi_specs:
+        raise BuildError(
+            f"{found}, but podman has no CDI spec to hand it to the container: "
+            "`sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml` (NVIDIA Container Toolkit)")
+    return (["--device", "nvidia.com/gpu=all"],
+            f"{found}: running ptbr-cuda's smoke on it (--device nvidia.com/gpu=all, {probe.cdi_specs[0]})")
+
+
+def smoke_command(engine: Engine, variant: str, probe: GpuProbe | None = None) -> list[str]:
+    """The `run` command of `ptbr smoke` inside the image; ptbr-cuda gets the GPU where the probe
+    (this machine's, unless one is given) finds one."""
+    cmd = [*engine.base_cmd, "run", "--rm", "--network", "none"]
+    if engine.tool == "podman":
+        cmd += PODMAN_RUN_FLAGS
+    if variant == "cuda":
+        flags, message = gpu_run_flags(engine.tool, probe or probe_gpu())
+        log(message)
+        cmd += flags
+    return [*cmd, image_name(variant), "smoke"]
+
+
 def cmd_smoke(args: argparse.Namespace) -> None:
     engine = pick_engine(args.tool, args.store)
     name = image_name(args.variant)
     engine.image_id(name)  # a clear error when the image was never built
-    cmd = [*engine.base_cmd, "run", "--rm", "--network", "none"]
-    if engine.tool == "podman":
-        cmd += PODMAN_RUN_FLAGS
-    if args.variant == "cuda":
-        cmd += ["--gpus", "all"] if engine.tool == "docker" else ["--device", "nvidia.com/gpu=all"]
+    cmd = smoke_command(engine, args.variant)
     started = time.monotonic()
-    run([*cmd, name, "smoke"])
+    run(cmd)
     log(f"`ptbr smoke` passed inside {name} ({time.monotonic() - started:.0f} s)")
 
 

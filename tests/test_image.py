@@ -60,15 +60,103 @@ def test_installs_ptbr_from_the_checkout_wheel_and_locked_hashes_only():
     assert "COPY" not in DOCKERFILE and "ADD " not in DOCKERFILE, "build inputs never land in a layer"
 
 
-# --- the real image (podman) -------------------------------------------------------------------
-
-
 def load_build_module():
     spec = importlib.util.spec_from_file_location("ptbr_docker_build", BUILD_SCRIPT)
     build = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = build  # dataclasses look their module up while the class is made
     spec.loader.exec_module(build)
     return build
+
+
+# --- `smoke cuda` asks for the GPU only where one exists (fast: no container is built or run) ----
+
+# A name no machine has, so that the probe relies on the device nodes the test lays out.
+NO_NVIDIA_SMI = "ptbr-test-no-nvidia-smi"
+CDI_SPEC = """cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+- name: all
+"""
+
+
+def test_smoke_cuda_without_a_gpu_runs_on_the_cpu(tmp_path, capsys):
+    build = load_build_module()
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidiactl").touch()  # the driver's control node alone is no GPU
+    probe = build.probe_gpu(tmp_path / "dev", (tmp_path / "cdi",), NO_NVIDIA_SMI)
+    assert probe == build.GpuProbe((), ())
+    for tool in ("podman", "docker"):
+        command = build.smoke_command(build.Engine(tool), "cuda", probe)
+        assert command[-2:] == ["ptbr-cuda", "smoke"]
+        assert not {"--gpus", "--device"} & set(command), command
+        assert "no GPU found: running ptbr-cuda's smoke on the CPU" in capsys.readouterr().out
+
+
+def test_smoke_cuda_with_a_gpu_asks_for_it_and_says_so(tmp_path, capsys):
+    build = load_build_module()
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidia0").touch()
+    cdi = tmp_path / "cdi"
+    cdi.mkdir()
+    (cdi / "amd.yaml").write_text(CDI_SPEC.replace("nvidia.com", "amd.com"))
+    probe = build.probe_gpu(tmp_path / "dev", (cdi,), NO_NVIDIA_SMI)
+    assert probe.gpus == (str(tmp_path / "dev" / "nvidia0"),) and probe.cdi_specs == ()
+
+    docker = build.smoke_command(build.Engine("docker"), "cuda", probe)
+    assert docker[docker.index("--gpus") + 1] == "all"
+    assert "GPU found" in capsys.readouterr().out
+    with pytest.raises(build.BuildError, match="no CDI spec.*nvidia-ctk cdi generate"):
+        build.smoke_command(build.Engine("podman"), "cuda", probe)
+
+    (cdi / "nvidia.yaml").write_text(CDI_SPEC)
+    probe = build.probe_gpu(tmp_path / "dev", (cdi,), NO_NVIDIA_SMI)
+    podman = build.smoke_command(build.Engine("podman"), "cuda", probe)
+    assert podman[podman.index("--device") + 1] == "nvidia.com/gpu=all"
+    assert podman[-2:] == ["ptbr-cuda", "smoke"]
+    assert f"GPU found ({tmp_path / 'dev' / 'nvidia0'}): running ptbr-cuda's smoke on it" in capsys.readouterr().out
+
+
+def test_smoke_cpu_never_asks_for_a_gpu(tmp_path):
+    build = load_build_module()
+    probe = build.GpuProbe(("GPU 0: NVIDIA H100 80GB HBM3",), (tmp_path / "nvidia.yaml",))
+    command = build.smoke_command(build.Engine("podman"), "cpu", probe)
+    assert not {"--gpus", "--device"} & set(command)
+    assert command[-2:] == ["ptbr-cpu", "smoke"]
+
+
+def test_build_docs_stand_alone():
+    """docker/, .ci/run and the noxfile name no file outside this repository, and their links
+    lead to files that exist (readers of a clone have nothing else)."""
+    files = [*sorted((ROOT / "docker").iterdir()), ROOT / ".ci" / "run", ROOT / "noxfile.py"]
+    problems = []
+    for path in files:
+        text = path.read_text()
+        targets = re.findall(r"(?<![\w/.])(\.\./[\w./-]+)", text)
+        if path.suffix == ".md":
+            targets += [t for t in re.findall(r"\]\(([^)#\s]+)", text) if not re.match(r"\w+://", t)]
+        for target in targets:
+            resolved = (path.parent / target).resolve()
+            if not resolved.is_relative_to(ROOT) or not resolved.exists():
+                problems.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not problems, problems
+
+
+def test_ci_installs_its_tools_then_runs_the_readme_test_command():
+    script = ROOT / ".ci" / "run"
+    assert os.access(script, os.X_OK)
+    commands = [line.strip() for line in script.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    installed = " ".join(command for command in commands if command.startswith("apt-get install"))
+    for tool in ("podman", "buildah", "runc", "debootstrap"):
+        assert tool in installed.split(), f".ci/run installs {tool} (the image test needs it)"
+    assert any("pip install" in command and "nox==" in command for command in commands), \
+        ".ci/run installs nox at the version locks/ci.txt pins"
+    assert commands[-1] == "nox -s tests"
+    assert re.search(r"^pip install nox && nox -s tests\b", (ROOT / "README.md").read_text(), re.MULTILINE), \
+        "the README's test command is the one CI runs"
+
+
+# --- the real image (podman) -------------------------------------------------------------------
 
 
 def podman(store: Path) -> list[str]:

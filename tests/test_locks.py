@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import importlib.util
+import platform
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from packaging.requirements import Requirement
@@ -30,34 +34,43 @@ BUILD = load_build_script()
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-def parse_lock(path: Path) -> dict[str, tuple[str, list[str]]]:
-    """{canonical name: (version, [sha256 hashes])} from a `uv pip compile --generate-hashes` file."""
-    entries: dict[str, tuple[str, list[str]]] = {}
+class Entry(NamedTuple):
+    version: str
+    hashes: list[str]
+    via: list[str]  # uv's `# via` annotations: what asked for this pin
+
+
+def parse_lock(path: Path) -> dict[str, Entry]:
+    """{canonical name: Entry} from a `uv pip compile --generate-hashes` file."""
+    entries: dict[str, Entry] = {}
     current = None
     for line in path.read_text().splitlines():
         pin = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==(\S+)", line)
         if pin:
             current = canonicalize_name(pin.group(1))
-            entries[current] = (pin.group(2), [])
+            entries[current] = Entry(pin.group(2), [], [])
         elif current and (digest := re.search(r"--hash=sha256:([0-9a-f]{64})", line)):
-            entries[current][1].append(digest.group(1))
+            entries[current].hashes.append(digest.group(1))
+        elif current and (via := re.match(r"^\s+#\s+(?:via\s+)?(\S.*)$", line)):
+            if via.group(1) != "via":
+                entries[current].via.append(via.group(1).strip())
         elif line and not line.startswith(" "):
             current = None
     return entries
 
 
+def applies(requirement: Requirement, markers: dict[str, str]) -> bool:
+    environment = {"python_version": BUILD.IMAGE_PYTHON, "python_full_version": f"{BUILD.IMAGE_PYTHON}.0",
+                   **markers, "extra": ""}
+    return requirement.marker is None or requirement.marker.evaluate(environment)
+
+
 def required(lock) -> list[Requirement]:
     """pyproject.toml's requirements that apply to this lock's platform and extras."""
-    environment = {"python_version": "3.11", "python_full_version": "3.11.0", **lock.markers}
-    wanted = []
     lines = list(PYPROJECT["dependencies"])
     for extra in lock.extras:
         lines += PYPROJECT["optional-dependencies"][extra]
-    for line in lines:
-        requirement = Requirement(line)
-        if requirement.marker is None or requirement.marker.evaluate({**environment, "extra": ""}):
-            wanted.append(requirement)
-    return wanted
+    return [requirement for requirement in map(Requirement, lines) if applies(requirement, lock.markers)]
 
 
 @pytest.fixture(params=sorted(BUILD.LOCKS), ids=lambda name: f"locks/{name}.txt")
@@ -68,10 +81,24 @@ def lock(request):
     return lock
 
 
+def out_of_range(entries: dict[str, Entry], requirements: list[Requirement]) -> list[str]:
+    problems = []
+    for requirement in requirements:
+        name = canonicalize_name(requirement.name)
+        if name not in entries:
+            problems.append(f"{requirement} is not in the lock")
+        elif not requirement.specifier.contains(Version(entries[name].version), prereleases=True):
+            problems.append(f"{requirement}: the lock pins {entries[name].version}")
+    return problems
+
+
+# --- each lock against pyproject.toml -----------------------------------------------------------
+
+
 def test_every_pin_is_exact_and_hashed(lock):
     entries = parse_lock(lock.path)
     assert len(entries) > 10
-    unhashed = sorted(name for name, (_, hashes) in entries.items() if not hashes)
+    unhashed = sorted(name for name, entry in entries.items() if not entry.hashes)
     assert not unhashed, f"{lock.path.name}: pins without --hash: {unhashed}"
     text = lock.path.read_text()
     assert "nox -s locks" in text, "the header names the command that regenerates it"
@@ -79,23 +106,52 @@ def test_every_pin_is_exact_and_hashed(lock):
 
 
 def test_every_pyproject_dependency_is_pinned_within_its_range(lock):
-    entries = parse_lock(lock.path)
-    problems = []
-    for requirement in required(lock):
-        name = canonicalize_name(requirement.name)
-        if name not in entries:
-            problems.append(f"{requirement} is not in the lock")
-        elif not requirement.specifier.contains(Version(entries[name][0]), prereleases=True):
-            problems.append(f"{requirement}: the lock pins {entries[name][0]}")
+    """Core and the lock's extras, plus what docker/build.py adds (torch's build, MLX's CPU build)."""
+    wanted = required(lock) + [Requirement(line) for line in (lock.torch, *lock.extra_requirements)]
+    problems = out_of_range(parse_lock(lock.path), wanted)
     assert not problems, f"{lock.path.name} is out of date with pyproject.toml ({REGENERATE}):\n" + "\n".join(problems)
 
 
+def test_the_lock_asks_for_exactly_what_pyproject_asks_for(lock):
+    """A dependency removed from pyproject.toml (or moved out of an extra) leaves a lock that still
+    pins it as ptbr's: the lock's record of its direct dependencies must match pyproject's."""
+    recorded = {name for name, entry in parse_lock(lock.path).items() if "ptbr (pyproject.toml)" in entry.via}
+    wanted = {canonicalize_name(requirement.name) for requirement in required(lock)}
+    assert recorded == wanted, (
+        f"{lock.path.name} is out of date with pyproject.toml ({REGENERATE}): "
+        f"only in the lock {sorted(recorded - wanted)}, only in pyproject {sorted(wanted - recorded)}")
+
+
+def test_every_extra_is_locked_where_it_applies():
+    """A new extra fails here until a lock holds it; CI's lock holds every extra that installs
+    anything on Linux, and MLX (whose extra is for Apple Silicon) through its CPU build."""
+    extras = PYPROJECT["optional-dependencies"]
+    ci = BUILD.LOCKS["ci"]
+    assert set(extras) <= {extra for lock in BUILD.LOCKS.values() for extra in lock.extras}
+    for extra, lines in extras.items():
+        if any(applies(Requirement(line), ci.markers) for line in lines):
+            assert extra in ci.extras, f"locks/ci.txt lacks the `{extra}` extra (docker/build.py LOCKS)"
+    mlx = [Requirement(re.sub(r";.*", "", line)) for line in extras["mlx"]]
+    problems = out_of_range(parse_lock(ci.path), mlx)
+    assert not problems, f"CI's MLX build is outside the mlx extra's range ({REGENERATE}): {problems}"
+
+
+def test_the_build_backend_is_locked():
+    """The sessions install the checkout with --no-build-isolation, using the lock's setuptools."""
+    backend = [Requirement(line) for line in tomllib.loads((ROOT / "pyproject.toml").read_text())
+               ["build-system"]["requires"] if Requirement(line).name == "setuptools"]
+    assert backend, "pyproject.toml builds with setuptools"
+    for lock in BUILD.LOCKS.values():
+        assert not out_of_range(parse_lock(lock.path), backend), lock.path.name
+
+
 def test_torch_is_the_pinned_build(lock):
-    version, hashes = parse_lock(lock.path)["torch"]
+    entries = parse_lock(lock.path)
+    version = entries["torch"].version
     assert version == lock.torch.split("==")[1]
     assert Version(version).public == "2.13.0"
     cuda_runtime = {"nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu13"}
-    has_cuda = bool(cuda_runtime & parse_lock(lock.path).keys())
+    has_cuda = bool(cuda_runtime & entries.keys())
     if lock.name == "cuda":
         assert version == "2.13.0" and has_cuda, "the CUDA image takes PyPI's CUDA build of torch"
     if lock.name in ("cpu", "ci"):
@@ -115,7 +171,161 @@ def test_finetune_and_mlx_extras_land_where_they_run():
 def test_ci_keeps_the_cpu_image_pins():
     cpu = parse_lock(BUILD.LOCKS["cpu"].path)
     ci = parse_lock(BUILD.LOCKS["ci"].path)
-    differing = {name: (version, ci.get(name, ("missing",))[0])
-                 for name, (version, _) in cpu.items() if ci.get(name, ("missing",))[0] != version}
+    differing = {name: (entry.version, ci[name].version if name in ci else "missing")
+                 for name, entry in cpu.items() if name not in ci or ci[name].version != entry.version}
     assert not differing, f"CI would test other versions than the CPU image ships: {differing}"
 
+
+def test_the_local_torch_wheel_matches_its_hash():
+    """Where pip is configured with a folder holding the CPU torch wheel (as on ptbr's machines), a
+    hash-checked install takes that file: its sha256 must be one the CPU locks accept."""
+    wheels = [wheel for folder in BUILD.local_torch_cpu_dirs()
+              for wheel in Path(folder).glob(f"torch-{BUILD.TORCH_VERSION}+cpu-cp311-*.whl")]
+    if not wheels:
+        pytest.skip("pip has no local folder with the CPU torch wheel here")
+    for name in ("cpu", "ci"):
+        hashes = parse_lock(BUILD.LOCKS[name].path)["torch"].hashes
+        for wheel in wheels:
+            assert BUILD.sha256(wheel) in hashes, f"{wheel} is not the file locks/{name}.txt pins"
+
+
+# --- the sessions install from the locks ---------------------------------------------------------
+
+
+SESSION_NAMES = {"tests", "lint", "smoke", "preflight", "bench", "build", "image_smoke", "locks"}
+
+
+@pytest.fixture(scope="module")
+def noxfile():
+    """noxfile.py, loaded as nox loads it: its sessions land in nox's registry."""
+    nox = pytest.importorskip("nox")
+    spec = importlib.util.spec_from_file_location("ptbr_noxfile", ROOT / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.sessions = nox.registry.get()
+    return module
+
+
+class SessionQuit(Exception):
+    pass
+
+
+class CommandList:
+    """Takes a nox session's place to list the commands it would run; runs none of them."""
+
+    def __init__(self, tmp: Path, posargs: list[str] | None = None):
+        self.tmp, self.posargs = tmp, posargs or []
+        self.installs: list[tuple[str, ...]] = []
+
+    def install(self, *args: str, **_) -> None:
+        self.installs.append(args)
+
+    def run(self, *args: str, **_) -> None:
+        pass
+
+    def run_install(self, *args: str, **_) -> None:
+        pass
+
+    def create_tmp(self) -> str:
+        return str(self.tmp)
+
+    def error(self, message: str) -> None:
+        raise SessionQuit(message)
+
+
+def commands(noxfile, session: str, tmp_path: Path, posargs: list[str] | None = None) -> CommandList:
+    listed = CommandList(tmp_path, posargs)
+    noxfile.sessions[session].func(listed)
+    return listed
+
+
+def test_every_session_is_checked_here(noxfile):
+    assert set(noxfile.sessions) == SESSION_NAMES, "a new session gets its install checked below"
+
+
+@pytest.mark.parametrize("session, posargs", [("tests", []), ("smoke", []), ("preflight", []),
+                                              ("bench", []), ("bench", ["--device", "cuda"])])
+def test_sessions_install_the_lock_then_the_checkout_without_dependencies(noxfile, session, posargs, tmp_path):
+    try:
+        listed = commands(noxfile, session, tmp_path, posargs)
+    except SessionQuit as quit:
+        here = (platform.system(), platform.machine())
+        assert "holds no lock" in str(quit) and (here not in noxfile.LOCKS_BY_PLATFORM or posargs)
+        return
+    assert len(listed.installs) == 2, f"the lock, then the checkout: {listed.installs}"
+    lock_install, checkout_install = listed.installs
+    assert lock_install[:2] == ("--require-hashes", "-r")
+    lock = Path(lock_install[2])
+    assert lock.parent == ROOT / "locks" and lock.exists()
+    cpu_torch_from_pytorch = "+cpu" in BUILD.LOCKS[lock.stem].torch and not BUILD.local_torch_cpu_dirs()
+    assert lock_install[3:] == (("--extra-index-url", BUILD.TORCH_CPU_INDEX) if cpu_torch_from_pytorch else ())
+    assert checkout_install == ("--no-deps", "--no-build-isolation", "-e", ".")
+    assert noxfile.sessions[session].python == BUILD.IMAGE_PYTHON, "the Python the locks are resolved for"
+    if (platform.system(), platform.machine()) == ("Linux", "x86_64"):
+        expected = {"tests": "ci.txt", "bench": "cuda.txt" if posargs else "cpu.txt"}.get(session, "cpu.txt")
+        assert lock.name == expected
+
+
+def test_lint_installs_ruff_as_the_ci_lock_pins_it(noxfile, tmp_path):
+    listed = commands(noxfile, "lint", tmp_path)
+    ((*flags, requirements),) = listed.installs
+    assert flags == ["--require-hashes", "--no-deps", "-r"]
+    assert parse_lock(Path(requirements)) == {"ruff": parse_lock(BUILD.LOCKS["ci"].path)["ruff"]}
+
+
+def test_image_sessions_install_nothing_and_locks_pins_its_uv(noxfile, tmp_path):
+    for session in ("build", "image_smoke"):
+        assert commands(noxfile, session, tmp_path).installs == []
+    assert commands(noxfile, "locks", tmp_path).installs == [(f"uv=={BUILD.UV_VERSION}",)]
+
+
+def test_each_platform_gets_its_lock_or_a_clear_refusal(noxfile, tmp_path):
+    listed = CommandList(tmp_path)
+    assert noxfile.lock_for(listed, "tests", "Linux", "x86_64").name == "ci.txt"
+    assert noxfile.lock_for(listed, "run", "Linux", "x86_64").name == "cpu.txt"
+    assert noxfile.lock_for(listed, "tests", "Darwin", "arm64").name == "macos.txt"
+    for system, machine in [("Linux", "aarch64"), ("Darwin", "x86_64"), ("Windows", "AMD64")]:
+        with pytest.raises(SessionQuit, match=f"no lock for {system} {machine}.*pip install"):
+            noxfile.lock_for(listed, "tests", system, machine)
+    with pytest.raises(SessionQuit, match="no lock for Darwin arm64"):
+        noxfile.lock_for(listed, "cuda", "Darwin", "arm64")
+
+
+# --- what the code imports is what CI installs ------------------------------------------------------
+
+
+def imported_modules() -> dict[str, str]:
+    """{top-level module: a file importing it} for every import in ptbr/, tests/ and benchmarks/."""
+    found: dict[str, str] = {}
+    for folder in ("ptbr", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    found.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_third_party_import_is_in_the_ci_lock():
+    """A test or module that starts importing a package (hypothesis, say) fails here, with the
+    fix, until pyproject.toml declares it and the locks pin it; the nox environment holds only
+    the lock."""
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        pytest.skip("locks/ci.txt is CI's lock for Linux x86_64")
+    local = {"ptbr", "tests", "conftest"} | {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    distributions = importlib.metadata.packages_distributions()
+    pinned = set(parse_lock(BUILD.LOCKS["ci"].path))
+    missing = []
+    for module, where in sorted(imported_modules().items()):
+        if module in sys.stdlib_module_names or module in local or module == "__future__":
+            continue
+        providers = {canonicalize_name(d) for d in distributions.get(module, [])}
+        if not providers & pinned:
+            missing.append(f"{module} (imported in {where}; installed from {sorted(providers) or 'nothing'})")
+    assert not missing, ("imported but not pinned in locks/ci.txt: add the package to pyproject.toml "
+                         f"and {REGENERATE}:\n" + "\n".join(missing))

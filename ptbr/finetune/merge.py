@@ -1,4 +1,5 @@
-"""Merging a LoRA adapter into its base: a full model that loads without peft.
+"""Merging a LoRA adapter into its base: a full model that loads without peft, with the adapter's
+tokenizer (chat template included) and its ptbr_adapter.json (the data format it was trained on).
 
 The base is always loaded unquantized (a QLoRA run trained on NF4 weights: its adapter is merged
 into the original weights, in the base's own dtype unless asked otherwise), on the CPU, so that a
@@ -10,9 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ptbr.errors import ConfigError, ModelError
+from ptbr.finetune.adapter import ADAPTER_META, read_adapter_meta
 from ptbr.finetune.model import check_base, load_error, refuse_prequantized
 from ptbr.log import log
 from ptbr.train.atomic import write_directory
+from ptbr.train.run_dir import write_json
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
@@ -45,9 +48,13 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
         raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
                          "give the --base the adapter was trained on") from exc
 
+    meta = read_adapter_meta(adapter)
+
     def fill(tmp: Path) -> None:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        if meta:  # the data format it was trained on: `ptbr generate` formats prompts by it
+            write_json(tmp / ADAPTER_META, meta)
 
     write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base}: full model ({merged.dtype}) in {output}")

@@ -24,14 +24,20 @@ MODES = {"pretrain": PretrainConfig, "finetune": FinetuneConfig}
 
 def add_preflight_flags(parser: argparse.ArgumentParser) -> None:
     """--mode, --load-test, and every flag of train and finetune (each name once)."""
-    from ptbr.cli import add_settings_flags
+    from ptbr.cli import add_settings_flags, setting_help
 
     parser.add_argument("--mode", choices=tuple(MODES), default="pretrain",
-                        help="plan a pretraining (ptbr train) or a fine-tuning (ptbr finetune) run")
+                        help="plan a pretraining (ptbr train) or a fine-tuning (ptbr finetune) run (default: pretrain)")
     parser.add_argument("--load-test", action="store_true",
                         help="finetune: also load the base model's weights, as the run will (slow for large models)")
     add_settings_flags(parser, PretrainConfig)  # also --config, and --output: where the reports go
-    taken = {f.name for f, _ in settings_fields(PretrainConfig)}
+    pretrain = {f.name: f for f, _ in settings_fields(PretrainConfig)}
+    finetune = {f.name: f for f, _ in settings_fields(FinetuneConfig)}
+    for action in parser._actions:  # a flag both have, meaning or defaulting otherwise per mode: say both
+        if action.dest in finetune and setting_help(pretrain[action.dest]) != setting_help(finetune[action.dest]):
+            action.help = (f"(pretrain) {setting_help(pretrain[action.dest])} "
+                           f"(finetune) {setting_help(finetune[action.dest])}").replace("%", "%%")
+    taken = set(pretrain)
     finetune_only = argparse.ArgumentParser(add_help=False)
     add_settings_flags(finetune_only, FinetuneConfig)
     for action in finetune_only._actions:  # FinetuneConfig's flags that train does not have

@@ -51,7 +51,7 @@ def resolve_device(name: str):
                           "check nvidia-smi and that torch is a CUDA build, or use --device cpu")
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise DeviceError("--device mps but Metal (MPS) is not available", f"torch {torch.__version__}",
-                          "use --device cpu, or the MLX backend on Apple Silicon")
+                          "use --device cpu")
     device = torch.device(name)
     try:
         torch.empty(0, device=device)

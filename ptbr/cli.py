@@ -1,22 +1,31 @@
 """The `ptbr` command line: argument parsing only; each command's module is imported when it runs.
 
 Library errors (PtbrError) become one line `error: WHAT (WHERE); fix: HOW` and the error's exit
-code; `--debug` or PTBR_DEBUG=1 shows the traceback instead.
+code; `--debug` (before or after the command) or PTBR_DEBUG=1 also shows the traceback, and the
+third-party warnings that are otherwise filtered. Output piped into a reader that stops early
+(`ptbr info ... | head -1`) ends quietly with exit 141, as git and ls do.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
+import traceback
+import warnings
 
 from ptbr import __version__
-from ptbr.config import FinetuneConfig, PretrainConfig
+from ptbr.commands import DEFAULT_VOCAB_SIZE
+from ptbr.config import DEVICES, PRESETS, FinetuneConfig, PretrainConfig
 from ptbr.errors import EXIT_CODES
-from ptbr.flags import add_preflight_flags, add_settings_flags
+from ptbr.flags import add_preflight_flags, add_settings_flags, setting_default
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
+# 128 + SIGPIPE: the status a shell shows for git or ls when `| head` stops reading
+EXIT_BROKEN_PIPE = 141
+DEBUG_HELP = "show tracebacks and third-party warnings (also PTBR_DEBUG=1); before or after the command"
 
 # command -> (module:function, one-line help); modules load only when their command runs
 COMMANDS = {
@@ -38,64 +47,85 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ptbr", description="Train Portuguese (PT-BR) language models reproducibly.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ptbr {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks (also PTBR_DEBUG=1)")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # every command also takes --debug; SUPPRESS keeps a `ptbr --debug COMMAND` from being reset to False
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
 
-    p = sub.add_parser("prepare", help=COMMANDS["prepare"][1], description=COMMANDS["prepare"][1])
+    def command(name: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=COMMANDS[name][1], description=COMMANDS[name][1], parents=[common])
+
+    presets = ", ".join(PRESETS)
+    p = command("prepare")
     p.add_argument("--input", nargs="+", action="extend", required=True, metavar="FILE_OR_DIR",
                    help=".txt files (blank-line separated documents), .jsonl files with a \"text\" field, or directories")
     p.add_argument("--output", required=True, help="dataset directory to write")
-    p.add_argument("--vocab-size", type=int, default=32000, help="BPE vocabulary size (default: 32000)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                   help=f"BPE vocabulary size (default: {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--val-fraction", type=float, default=0.005, help="share of tokens for val.bin (default: 0.005)")
     p.add_argument("--tokenizer", help="reuse this tokenizer.json instead of training one")
 
-    p = sub.add_parser("info", help=COMMANDS["info"][1], description=COMMANDS["info"][1])
-    p.add_argument("--data", help="dataset directory")
+    p = command("info")
+    p.add_argument("--data", help="dataset directory (its vocabulary is the one --model-size is estimated at)")
     p.add_argument("--tokenizer", help="tokenizer.json (for datasets without meta.json)")
-    p.add_argument("--model-size", help="a preset: tiny, 85m, 400m, 800m")
-    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary for --model-size (default: 32000)")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--model-size", help=f"a preset to describe with its memory estimate: {presets}")
+    p.add_argument("--vocab-size", type=int,
+                   help=f"vocabulary for --model-size (default: the dataset's with --data, else {DEFAULT_VOCAB_SIZE})")
+    for name, text in (("seq_len", "tokens per sequence"), ("batch_size", "sequences per micro-batch"),
+                       ("grad_accum", "micro-batches per optimizer step")):
+        default = setting_default(PretrainConfig, name)  # info plans a `ptbr train` run
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help=f"{text}, as `ptbr train` (default: {default})")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="estimate with activations recomputed in the backward pass")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = sub.add_parser("train", help=COMMANDS["train"][1], description=COMMANDS["train"][1])
+    p = command("train")
     add_settings_flags(p, PretrainConfig)
 
-    p = sub.add_parser("test-gpu", help=COMMANDS["test-gpu"][1], description=COMMANDS["test-gpu"][1])
-    p.add_argument("--model-size", default="400m")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p = command("test-gpu")
+    p.add_argument("--model-size", default="400m", help=f"the preset to run one step of: {presets} (default: 400m)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences in the step (default: 1)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                   help=f"vocabulary of the model (default: {DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto picks cuda, then mps, then cpu (default: auto)")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16", "bf16"),
+                   help="auto: bf16 where the GPU really has it, fp16 on T4-class GPUs, fp32 on CPU (default: auto)")
 
-    p = sub.add_parser("generate", help=COMMANDS["generate"][1], description=COMMANDS["generate"][1])
-    p.add_argument("prompt", help='text to continue, e.g. "Era uma vez"')
-    p.add_argument("--model", required=True, help="a model directory (OUTPUT/final) or a base model")
+    p = command("generate")
+    p.add_argument("prompt", help='a question for a chat model, or text to continue, e.g. "Era uma vez"')
+    p.add_argument("--model", required=True, help="a model directory (OUTPUT/final, a merged model) or a base model")
     p.add_argument("--adapter", help="a LoRA adapter directory (OUTPUT/adapters) to apply to --model")
-    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=100, dest="max_new_tokens")
+    p.add_argument("--raw", action="store_true",
+                   help="continue the prompt as plain text, even where the model was trained on conversations "
+                        "(default: the chat template for a model trained on chat data, or whose tokenizer has one)")
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=100, dest="max_new_tokens",
+                   help="tokens to generate at most (default: 100)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto picks cuda, then mps, then cpu (default: auto)")
 
-    p = sub.add_parser("smoke", help=COMMANDS["smoke"][1], description=COMMANDS["smoke"][1])
-    p.add_argument("--output", help="keep the smoke run here (default: a temporary directory)")
+    p = command("smoke")
+    p.add_argument("--output", help="keep the smoke run here (default: a temporary directory, removed at the end)")
 
-    p = sub.add_parser("finetune", help=COMMANDS["finetune"][1], description=COMMANDS["finetune"][1])
+    p = command("finetune")
     add_settings_flags(p, FinetuneConfig)
 
-    p = sub.add_parser("validate-data", help=COMMANDS["validate-data"][1], description=COMMANDS["validate-data"][1])
+    p = command("validate-data")
     p.add_argument("files", nargs="+", metavar="FILE_OR_DIR",
                    help="JSONL files; a directory stands for its train.jsonl and valid.jsonl")
     p.add_argument("--base", help="a model directory: also check token lengths and the chat template")
-    p.add_argument("--max-seq-len", type=int, help="length to check against (default: finetune's max_seq_len)")
+    p.add_argument("--max-seq-len", type=int, help="length to check against (default: finetune's, "
+                   f"{setting_default(FinetuneConfig, 'max_seq_len')})")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base tokenizer's own code to run")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = sub.add_parser("merge", help=COMMANDS["merge"][1], description=COMMANDS["merge"][1])
+    p = command("merge")
     p.add_argument("--base", required=True, help="the base model directory the adapter was trained on")
     p.add_argument("--adapter", required=True, help="the adapter directory (OUTPUT/adapters)")
     p.add_argument("--output", required=True, help="directory to write the merged model to")
@@ -103,12 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the merged weights (default: auto, the base's own)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
 
-    p = sub.add_parser("preflight", help=COMMANDS["preflight"][1], description=COMMANDS["preflight"][1])
+    p = command("preflight")
     add_preflight_flags(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `ptbr ARGV`; returns the exit code."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # flushed here rather than at interpreter exit, where a reader that has gone would be an
+            # 'Exception ignored ... BrokenPipeError' message and exit 120
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
@@ -118,27 +162,53 @@ def main(argv: list[str] | None = None) -> int:
     from ptbr.errors import PtbrError, error_line
     from ptbr.log import setup_console
 
-    setup_console()
+    setup_console(logging.DEBUG if debug else logging.INFO)
+    filter_third_party_noise(debug)
     target, _ = COMMANDS[args.command]
     module_name, function = target.split(":")
     try:
         return int(getattr(importlib.import_module(module_name), function)(args) or 0)
     except PtbrError as exc:
         if debug:
-            raise
+            traceback.print_exc()
         print(exc.one_line(), file=sys.stderr, flush=True)
         return exc.exit_code
+    except BrokenPipeError:
+        raise  # our reader has gone: not a crash (main ends quietly)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line + a crash report
         if debug:
-            raise
+            traceback.print_exc()
         from ptbr.crash import write_crash_report
 
         report = write_crash_report(args, exc)
         print(error_line(exc, str(report) if report else None), file=sys.stderr, flush=True)
         return 1
+
+
+def filter_third_party_noise(debug: bool) -> None:
+    """Hide what libraries print that a user cannot act on; --debug shows it.
+
+    Deprecation notices are addressed to the code that calls a library (transformers and peft warn
+    that `is_gradient_checkpointing` is deprecated at every fine-tuning run), and bitsandbytes logs
+    at import time that an optional CPU kernel package (`kernels`) is not installed. Warnings of
+    other kinds (UserWarning, RuntimeWarning) may matter for a run and stay.
+    """
+    for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("default" if debug else "ignore", category=category)
+    logging.getLogger("bitsandbytes").setLevel(logging.NOTSET if debug else logging.ERROR)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for a reader that has gone goes nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (e.g. captured in-process)
+        pass
 
 
 if __name__ == "__main__":

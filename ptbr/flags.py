@@ -22,9 +22,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str
     for f, annotation in settings_fields(cls):
         if f.name in skip:
             continue
-        help_text = prefix_help + f.metadata.get("help", "")
-        if f.default is not None:
-            help_text += f" (default: {f.default})"
+        help_text = prefix_help + setting_help(f)
         kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         kind = base_type(annotation)
         if kind is bool:
@@ -40,9 +38,15 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str
         parser.add_argument("--config", help="JSON or YAML file with the same settings in snake_case; flags override it")
 
 
-def given_settings(cls: type, args: argparse.Namespace) -> dict:
-    """The settings of `cls` that the command line gave."""
-    return {f.name: getattr(args, f.name) for f, _ in settings_fields(cls) if hasattr(args, f.name)}
+def setting_help(f) -> str:
+    """A settings field's help text with its default, as `--help` shows it."""
+    help_text = f.metadata.get("help", "")
+    return help_text if f.default is None else f"{help_text} (default: {f.default})"
+
+
+def setting_default(cls: type, name: str):
+    """The default of one settings field, for a command that shares it without taking every flag."""
+    return next(f.default for f, _ in settings_fields(cls) if f.name == name)
 
 
 def add_preflight_flags(parser: argparse.ArgumentParser) -> None:
@@ -52,5 +56,10 @@ def add_preflight_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-test", action="store_true",
                         help="finetune: also load the base model's weights, as the run will (slow for large models)")
     add_settings_flags(parser, PretrainConfig)  # also --config, and --output: where the reports go
-    taken = {f.name for f, _ in settings_fields(PretrainConfig)} | {"config"}
-    add_settings_flags(parser, FinetuneConfig, skip=taken, prefix_help="(finetune) ")
+    pretrain = {f.name: f for f, _ in settings_fields(PretrainConfig)}
+    finetune = {f.name: f for f, _ in settings_fields(FinetuneConfig)}
+    for action in parser._actions:  # a flag both have, meaning or defaulting otherwise per mode: say both
+        if action.dest in finetune and setting_help(pretrain[action.dest]) != setting_help(finetune[action.dest]):
+            action.help = (f"(pretrain) {setting_help(pretrain[action.dest])} "
+                           f"(finetune) {setting_help(finetune[action.dest])}").replace("%", "%%")
+    add_settings_flags(parser, FinetuneConfig, skip=set(pretrain) | {"config"}, prefix_help="(finetune) ")

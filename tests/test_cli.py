@@ -1,12 +1,21 @@
-"""The CLI as a user meets it: fast help without torch, one-line errors, `ptbr smoke`."""
+"""The CLI as a user meets it: fast help without torch, one-line errors, --debug anywhere, every
+default in --help, output piped into `head`, `ptbr info`, `ptbr test-gpu` and `ptbr smoke`."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import subprocess
 import sys
 import time
 
-from tests.conftest import run_cli
+import pytest
+
+from ptbr.cli import COMMANDS, build_parser, main
+from tests.conftest import REPO, run_cli
+
+SAMPLE = str(REPO / "ptbr" / "data" / "sample")  # the bundled dataset: 2,048-token vocabulary
 
 
 def test_help_does_not_import_torch_and_is_fast():
@@ -42,13 +51,157 @@ def test_errors_are_one_line_with_an_exit_code(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     run = run_cli("train", "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "out"),
                   env={"PTBR_DEBUG": "1"})
-    assert run.returncode != 0 and "Traceback" in run.stderr
+    assert run.returncode == 3 and "Traceback" in run.stderr
 
 
-def test_smoke_passes_in_a_subprocess():
+# every command with the arguments it requires, to show that each takes --debug
+REQUIRED = {"prepare": ["--input", "x", "--output", "y"], "generate": ["--model", "m", "hello"],
+            "validate-data": ["data.jsonl"], "merge": ["--base", "b", "--adapter", "a", "--output", "o"]}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_debug_is_accepted_before_and_after_every_command(command):
+    parser = build_parser()
+    required = REQUIRED.get(command, [])
+    assert parser.parse_args([command, *required]).debug is False
+    assert parser.parse_args(["--debug", command, *required]).debug is True
+    assert parser.parse_args([command, *required, "--debug"]).debug is True
+
+
+@pytest.mark.parametrize("where", ["before", "after", "environment"])
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path, capsys, monkeypatch, where):
+    args = ["train", "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "out")]
+    if where == "environment":
+        monkeypatch.setenv("PTBR_DEBUG", "1")
+    assert main({"before": ["--debug", *args], "after": [*args, "--debug"]}.get(where, args)) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ptbr.errors.DataError" in err
+    assert err.strip().splitlines()[-1].startswith("error: data directory not found")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_unexpected_exception_is_exit_1_with_or_without_debug(capsys, monkeypatch, debug):
+    import ptbr.commands.info
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("injected by the test")
+
+    monkeypatch.setattr(ptbr.commands.info, "model_info", crash)
+    assert main(["info", "--model-size", "tiny", *(["--debug"] if debug else [])]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: unexpected RuntimeError: injected by the test")
+    assert ("Traceback" in err) is debug
+
+
+def _options(parser: argparse.ArgumentParser):
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                yield name, action
+
+
+def test_every_option_of_every_command_has_help_that_shows_its_default():
+    from ptbr.config import FinetuneConfig, PretrainConfig, settings_fields
+
+    settings = {"train": [PretrainConfig], "finetune": [FinetuneConfig], "preflight": [PretrainConfig, FinetuneConfig]}
+    problems, checked = [], set()
+    for command, action in _options(build_parser()):
+        flag = f"{command} {action.option_strings[0]}"
+        checked.add(command)
+        if not action.help:
+            problems.append(f"{flag}: no help")
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            continue  # a switch: off unless given
+        if action.default is argparse.SUPPRESS:  # a settings flag: its default lives in the dataclass
+            defaults = [f.default for cls in settings[command] for f, _ in settings_fields(cls)
+                        if f.name == action.dest]
+        else:
+            defaults = [action.default]
+        for default in defaults:
+            if default is not None and f"(default: {default}" not in action.help:
+                problems.append(f"{flag}: default {default!r} not shown in {action.help!r}")
+    assert checked == set(COMMANDS)
+    assert not problems, "\n".join(problems)
+
+
+def test_help_lists_each_default_as_the_user_reads_it():
+    run = run_cli("test-gpu", "--help")
+    assert run.returncode == 0
+    text = " ".join(run.stdout.split())
+    for shown in ("--model-size MODEL_SIZE the preset to run one step of: tiny, 85m, 400m, 800m (default: 400m)",
+                  "--batch-size BATCH_SIZE sequences in the step (default: 1)", "(default: 32000)"):
+        assert shown in text
+
+
+def _into_a_closed_pipe(*args: str, buffered: bool) -> subprocess.CompletedProcess:
+    """`ptbr ARGS | head -0`, deterministically: stdout is a pipe whose reader has already gone."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "ptbr", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, env=env, timeout=120)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+@pytest.mark.parametrize("args", [["info", "--data", SAMPLE, "--model-size", "tiny"],
+                                  ["info", "--data", SAMPLE, "--json"], ["train", "--help"], ["--help"]],
+                         ids=["info", "info-json", "train-help", "help"])
+def test_output_into_a_reader_that_stopped_ends_quietly_with_141(args, buffered):
+    # buffered: the failing write is the interpreter's last flush; unbuffered: a print() mid-command
+    run = _into_a_closed_pipe(*args, buffered=buffered)
+    assert run.stderr == ""
+    if "--help" in args and not buffered:
+        assert run.returncode == 0  # argparse's own write swallows the error: nothing is left to fail
+    else:
+        assert run.returncode == 141
+
+
+def test_info_sizes_the_model_at_the_datasets_vocabulary(capsys):
+    def model_of(*args: str) -> dict:
+        assert main(["info", *args, "--model-size", "tiny", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["model"]
+
+    assert model_of("--data", SAMPLE)["vocab_size"] == 2048
+    assert model_of("--data", SAMPLE)["parameters"] == 1_066_112  # what `ptbr train` builds on it
+    assert model_of("--data", SAMPLE, "--vocab-size", "32000")["parameters"] == 4_899_968
+    assert model_of()["vocab_size"] == 32000
+
+
+@pytest.mark.parametrize("command", ["info", "test-gpu"])
+def test_bad_sizes_are_one_line_and_exit_2_before_anything_is_built(capsys, command):
+    code = main([command, "--model-size", "tiny", "--seq-len", "513", "--batch-size", "0", "--vocab-size", "-1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.strip() == (f"error: 3 problems: --batch-size must be > 0, got 0; --vocab-size must be > 0, got -1; "
+                           f"--seq-len 513 exceeds the tiny model's maximum of 512 positions (ptbr {command}); "
+                           "fix: give values within those limits (see --help)")
+    assert main([command, "--model-size", "huge"]) == 2
+    assert "unknown model size 'huge' (valid: tiny, 85m, 400m, 800m)" in capsys.readouterr().err
+
+
+def test_smoke_passes_in_a_subprocess_and_says_its_directory_is_gone():
     run = run_cli("smoke", timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("smoke ok: one step of tiny, loss ")
+    assert run.stdout.rstrip().endswith("the temporary run directory was removed (--output DIR keeps a run)")
+    [announced] = [line for line in run.stderr.splitlines() if line.startswith("smoke: running in a temporary")]
+    temporary = announced.split(": ")[-1]
+    assert "removed at the end" in announced and not os.path.exists(temporary)
+
+
+def test_smoke_failures_are_exit_9_and_keep_the_cause(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a directory")
+    assert main(["smoke", "--output", str(tmp_path / "file" / "run")]) == 9
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: smoke failed: cannot create or write the output directory: Not a directory (")
+    assert "; fix: " in line
 
 
 def test_test_gpu_without_a_gpu_says_so_and_probes_on_cpu():
@@ -59,3 +212,16 @@ def test_test_gpu_without_a_gpu_says_so_and_probes_on_cpu():
     if not torch.cuda.is_available():
         assert "no CUDA GPU found: running the probe on the CPU" in run.stdout
     assert "one training step of tiny (1,066,112 parameters) on cpu in fp32: batch 1 x 64, loss " in run.stdout
+
+
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+def test_test_gpu_on_a_missing_device_is_one_line_and_exit_5(device, capsys):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available() or device == "mps" and torch.backends.mps.is_available():
+        pytest.skip(f"this machine has {device}")
+    assert main(["test-gpu", "--model-size", "tiny", "--device", device]) == 5
+    out, err = capsys.readouterr()
+    assert out == ""  # never "running the probe on the CPU" when it will not
+    [line] = err.strip().splitlines()
+    assert line.startswith(f"error: --device {device} but ") and line.endswith("use --device cpu")

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
-from ptbr.config import build_settings, read_config_file, settings_fields
+from ptbr.config import PRESETS, build_settings, read_config_file, settings_fields
+from ptbr.errors import ConfigError, collect
+
+# `ptbr prepare`'s BPE size, and the vocabulary a preset is sized at when no dataset says otherwise
+DEFAULT_VOCAB_SIZE = 32000
 
 
 def settings_from_args(cls: type, args: argparse.Namespace):
@@ -15,9 +20,28 @@ def settings_from_args(cls: type, args: argparse.Namespace):
     return build_settings(cls, file_values, overrides, source=args.config or "flags")
 
 
+def check_preset_request(command: str, model_size: str, seq_len: int, **sizes: int) -> None:
+    """For commands that build or size a preset without a full settings object (info, test-gpu):
+    every bad value at once, as exit 2, before anything is built."""
+    problems = [f"--{name.replace('_', '-')} must be > 0, got {value}"
+                for name, value in (("seq_len", seq_len), *sizes.items()) if value <= 0]
+    if model_size not in PRESETS:
+        problems.append(f"unknown model size {model_size!r} (valid: {', '.join(PRESETS)})")
+    elif seq_len > PRESETS[model_size].max_position_embeddings:
+        problems.append(f"--seq-len {seq_len} exceeds the {model_size} model's maximum of "
+                        f"{PRESETS[model_size].max_position_embeddings} positions")
+    collect(problems, ConfigError, f"ptbr {command}", "give values within those limits (see --help)")
+
+
 def quiet_transformers() -> None:
-    """transformers' own progress bars (e.g. 'Writing model shards') would interleave with ours."""
+    """transformers' own progress bars (e.g. 'Writing model shards') would interleave with ours, and
+    its warnings speak to developers; with --debug (ptbr's log at DEBUG) they stay."""
     from transformers.utils import logging as hf_logging
 
+    from ptbr.log import logger
+
     hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    if logger.isEnabledFor(logging.DEBUG):
+        hf_logging.set_verbosity_warning()
+    else:
+        hf_logging.set_verbosity_error()

@@ -55,6 +55,23 @@ def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: fl
     return tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
+def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> bool:
+    """Whether the prompt is a user message in the chat template (True) or text to continue.
+
+    ptbr's record of the training data decides where there is one (an adapter's, or a merged
+    model's, ptbr_adapter.json): fine-tuning saves a chat template with every tokenizer, including
+    those of models trained on prompt/completion or plain text. Otherwise a tokenizer with a chat
+    template means a chat model. --raw always continues the prompt as plain text."""
+    if raw:
+        return False
+    from ptbr.finetune.adapter import read_adapter_meta
+
+    meta = read_adapter_meta(adapter or model_dir)
+    if "format" in meta:
+        return meta["format"] == "messages"
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def main(args) -> int:
     if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0:
         raise ConfigError("--max-new-tokens must be > 0, --temperature and --top-k >= 0", "ptbr generate",
@@ -63,11 +80,7 @@ def main(args) -> int:
     from ptbr.backends.torch.device import resolve_device
 
     tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device))
-    chat = False
-    if args.adapter:
-        from ptbr.finetune.adapter import read_adapter_meta
-
-        chat = read_adapter_meta(args.adapter).get("format") == "messages"  # trained on conversations
+    chat = is_chat_model(args.model, args.adapter, tokenizer, args.raw)
     text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                     chat=chat)
     print(text.strip() if chat else args.prompt + text)

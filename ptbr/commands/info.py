@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ptbr.commands import DEFAULT_VOCAB_SIZE, check_preset_request
 from ptbr.errors import ConfigError, DataError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -44,10 +45,12 @@ def main(args) -> int:
 
         report["data"] = describe(open_dataset(args.data, args.tokenizer))
     if args.model_size:
-        for name in ("seq_len", "batch_size", "grad_accum", "vocab_size"):
-            if getattr(args, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0", "ptbr info", "give a positive number")
-        report["model"] = model_info(args.model_size, args.vocab_size, args.seq_len, args.batch_size,
+        vocab_size = args.vocab_size
+        if vocab_size is None:  # the model a run on this dataset builds has the dataset's vocabulary
+            vocab_size = report["data"]["vocab_size"] if "data" in report else DEFAULT_VOCAB_SIZE
+        check_preset_request("info", args.model_size, args.seq_len, batch_size=args.batch_size,
+                             grad_accum=args.grad_accum, vocab_size=vocab_size)
+        report["model"] = model_info(args.model_size, vocab_size, args.seq_len, args.batch_size,
                                      args.grad_accum, args.gradient_checkpointing)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -7,7 +7,8 @@ import tempfile
 from pathlib import Path
 
 from ptbr.commands import quiet_transformers
-from ptbr.errors import SmokeFailed
+from ptbr.errors import Interrupted, PtbrError, SmokeFailed
+from ptbr.log import log
 
 
 def run_smoke(output: Path, device: str = "auto") -> dict:
@@ -23,7 +24,8 @@ def run_smoke(output: Path, device: str = "auto") -> dict:
     summary = run_pretrain(settings)
     loss = summary["final_loss"]
     if loss is None or not math.isfinite(loss):
-        raise SmokeFailed(f"the training loss is not finite: {loss}", str(output), "run `ptbr test-gpu` and report it")
+        raise SmokeFailed(f"smoke failed: the training loss is not finite: {loss}", str(output),
+                          "run `ptbr test-gpu` and report it")
 
     # the checkpoint must reload into a fresh model with bit-identical weights, and final/ must load
     # in plain transformers and compute the same logits
@@ -33,23 +35,36 @@ def run_smoke(output: Path, device: str = "auto") -> dict:
     a, b = from_checkpoint.state_dict(), final.state_dict()
     mismatched = [name for name in a if not torch.equal(a[name], b[name])]
     if mismatched or a.keys() != b.keys():
-        raise SmokeFailed(f"the reloaded checkpoint differs from the final model in {mismatched[:3]}", str(checkpoint),
-                          "check the disk and report it")
+        raise SmokeFailed(f"smoke failed: the reloaded checkpoint differs from the final model in {mismatched[:3]}",
+                          str(checkpoint), "check the disk and report it")
     ids = torch.arange(1, 17).unsqueeze(0)
     with torch.no_grad():
         logits = final(input_ids=ids).logits
     if not torch.isfinite(logits).all():
-        raise SmokeFailed("the reloaded model computes non-finite logits", str(output / "final"), "report it")
+        raise SmokeFailed("smoke failed: the reloaded model computes non-finite logits", str(output / "final"),
+                          "report it")
     return {"loss": loss, "tensors": len(a), "output": str(output)}
 
 
 def main(args) -> int:
     quiet_transformers()
-    if args.output:
-        result = run_smoke(Path(args.output))
-    else:
-        with tempfile.TemporaryDirectory(prefix="ptbr-smoke-") as tmp:
-            result = run_smoke(Path(tmp))
+    try:
+        if args.output:
+            result = run_smoke(Path(args.output))
+            kept = f"; the run is in {args.output}"
+        else:
+            with tempfile.TemporaryDirectory(prefix="ptbr-smoke-") as tmp:
+                log(f"smoke: running in a temporary directory, removed at the end: {tmp}")
+                result = run_smoke(Path(tmp))
+            kept = "; the temporary run directory was removed (--output DIR keeps a run)"
+    except (SmokeFailed, Interrupted):
+        raise
+    except PtbrError as exc:  # whatever broke, `ptbr smoke` failed (exit 9), and the line says why
+        raise SmokeFailed(f"smoke failed: {exc.what}", exc.where, exc.fix) from exc
+    except Exception as exc:  # noqa: BLE001 - a crash inside the smoke run is what the smoke test is for
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise SmokeFailed(f"smoke failed: unexpected {type(exc).__name__}: {first}", args.output,
+                          "rerun with --debug for the traceback, and report it") from exc
     print(f"smoke ok: one step of tiny, loss {result['loss']:.4f}, checkpoint reloaded identically "
-          f"({result['tensors']} tensors), final/ loads in transformers")
+          f"({result['tensors']} tensors), final/ loads in transformers{kept}")
     return 0

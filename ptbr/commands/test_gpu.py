@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-from ptbr.commands import quiet_transformers
+from ptbr.commands import check_preset_request, quiet_transformers
+
+DEVICE_NAMES = {"cpu": "the CPU", "cuda": "the GPU", "mps": "Apple MPS"}
 
 
 def probe_accelerator() -> dict:
@@ -34,18 +36,16 @@ def probe_accelerator() -> dict:
     return facts
 
 
-def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: int, device: str, precision: str) -> dict:
+def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: int, placement) -> dict:
     import numpy as np
     import torch
 
-    from ptbr.backends.torch.device import resolve_device, resolve_precision
     from ptbr.backends.torch.models import build_model, count_parameters
     from ptbr.backends.torch.step import TorchStep, build_optimizer
     from ptbr.config import LoopSettings, get_preset
     from ptbr.data.batch import windows_to_batch
 
     preset = get_preset(model_size)
-    placement = resolve_precision(resolve_device(device), precision)
     if placement.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(placement.device)
     started = time.monotonic()
@@ -68,18 +68,26 @@ def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: i
 
 
 def main(args) -> int:
+    check_preset_request("test-gpu", args.model_size, args.seq_len, batch_size=args.batch_size,
+                         vocab_size=args.vocab_size)
     quiet_transformers()
+    from ptbr.backends.torch.device import resolve_device, resolve_precision
+
     facts = probe_accelerator()
+    # resolved before anything is printed: `--device cuda` without a GPU is one error line (exit 5)
+    placement = resolve_precision(resolve_device(args.device), args.precision)
+    running_on = f"running the probe on {DEVICE_NAMES.get(placement.device.type, placement.device.type)}"
     print(f"torch {facts.get('torch')} (CUDA build {facts.get('cuda_build')})")
     if facts.get("gpus"):
         for gpu in facts["gpus"]:
             print(f"GPU {gpu['index']}: {gpu['name']}, compute {gpu['compute_capability']}, "
                   f"{gpu['memory_free'] / 1024**3:.1f} of {gpu['memory_total'] / 1024**3:.1f} GiB free")
         print(f"real bf16: {facts.get('real_bf16')} (T4-class GPUs: no -> fp16 + GradScaler)")
+        print(running_on)
     else:
         print("no CUDA GPU found" + (" (Apple MPS is available)" if facts.get("mps_available") else "")
-              + ": running the probe on the CPU")
-    r = run_probe_step(args.model_size, args.batch_size, args.seq_len, args.vocab_size, args.device, args.precision)
+              + f": {running_on}")
+    r = run_probe_step(args.model_size, args.batch_size, args.seq_len, args.vocab_size, placement)
     print(f"one training step of {r['model_size']} ({r['parameters']:,} parameters) on {r['device']} in "
           f"{r['precision']}: batch {r['batch_size']} x {r['seq_len']}, loss {r['loss']:.4f}, "
           f"step {r['step_s']} s, peak memory {r['peak_memory_bytes'] / 1024**3:.2f} GiB")

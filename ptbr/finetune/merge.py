@@ -1,4 +1,5 @@
-"""Merging a LoRA adapter into its base: a full model that loads without peft.
+"""Merging a LoRA adapter into its base: a full model that loads without peft, with the adapter's
+tokenizer (chat template included) and its ptbr_adapter.json (the data format it was trained on).
 
 The base is always loaded unquantized (a QLoRA run trained on NF4 weights: its adapter is merged
 into the original weights, in the base's own dtype unless asked otherwise), on the CPU, so that a
@@ -7,11 +8,13 @@ GPU busy with training is not needed: a 7B model in bf16 takes about 15 GB of RA
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ptbr.backends.torch.lora import refuse_prequantized
 from ptbr.errors import ConfigError, ModelError
 from ptbr.files import write_directory
+from ptbr.finetune.adapter import ADAPTER_META, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
 from ptbr.log import log
 
@@ -46,9 +49,13 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
         raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
                          "give the --base the adapter was trained on") from exc
 
+    meta = read_adapter_meta(adapter)
+
     def fill(tmp: Path) -> None:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        if meta:  # the data format it was trained on: `ptbr generate` formats prompts by it
+            (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base}: full model ({merged.dtype}) in {output}")

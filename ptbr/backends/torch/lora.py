@@ -4,7 +4,6 @@ bits by bitsandbytes, or not) with a PEFT LoRA adapter on top, and the adapter's
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,9 +169,7 @@ def load_model(settings, placement) -> AdaptedModel:
     targets = resolve_target_modules(base, settings.target_modules)
     lora = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
                       target_modules=targets, bias="none", task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # peft asks transformers a deprecated question (is_gradient_checkpointing): not the user's concern
-        warnings.filterwarnings("ignore", category=FutureWarning)
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         model = get_peft_model(base, lora)
     trainable, total = model.get_nb_trainable_parameters()

@@ -17,8 +17,7 @@ import traceback
 import warnings
 
 from ptbr import __version__
-from ptbr.commands import DEFAULT_VOCAB_SIZE
-from ptbr.config import DEVICES, PRESETS, FinetuneConfig, PretrainConfig
+from ptbr.config import DEFAULT_VOCAB_SIZE, DEVICES, PRESETS, FinetuneConfig, PretrainConfig
 from ptbr.errors import EXIT_CODES
 from ptbr.flags import add_preflight_flags, add_settings_flags, setting_default
 
@@ -122,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="a model directory: also check token lengths and the chat template")
     p.add_argument("--max-seq-len", type=int, help="length to check against (default: finetune's, "
                    f"{setting_default(FinetuneConfig, 'max_seq_len')})")
+    p.add_argument("--drop-long", action="store_true",
+                   help="check as `ptbr finetune --drop-long` runs: longer examples dropped, not truncated")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base tokenizer's own code to run")
+    p.add_argument("--download", action="store_true", help="allow --base to be a Hugging Face Hub id (needs network)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("merge")

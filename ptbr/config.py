@@ -85,6 +85,8 @@ def get_preset(name: str) -> ModelPreset:
 # Run settings
 # --------------------------------------------------------------------------------------------
 
+# The vocabulary `ptbr prepare` trains by default, and the one a preset is sized at without a dataset.
+DEFAULT_VOCAB_SIZE = 32000
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 BACKENDS = ("auto", "torch", "mlx")

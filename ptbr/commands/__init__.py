@@ -8,9 +8,6 @@ import logging
 from ptbr.config import PRESETS, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError, collect
 
-# `ptbr prepare`'s BPE size, and the vocabulary a preset is sized at when no dataset says otherwise
-DEFAULT_VOCAB_SIZE = 32000
-
 
 def settings_from_args(cls: type, args: argparse.Namespace):
     """Settings from defaults < --config file < flags given on the command line."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ptbr.config import DEFAULT_VOCAB_SIZE
 from ptbr.data.corpus import find_corpus_files, iter_documents, iter_texts
 from ptbr.data.tokenizer import PAD_TOKEN, eos_id, load_tokenizer, train_tokenizer
 from ptbr.data.tokens import INCOMPLETE_MARKER
@@ -28,7 +29,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
 
 
-def prepare(inputs: list[str], output: str | Path, vocab_size: int = 32000, val_fraction: float = 0.005,
+def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE, val_fraction: float = 0.005,
             tokenizer_path: str | None = None, show_progress: bool | None = None) -> dict:
     """Tokenize a corpus into a dataset directory and return its meta.json contents.
 

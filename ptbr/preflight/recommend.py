@@ -9,17 +9,11 @@ T4-class GPUs, fp32 on CPU and Apple's MPS.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from ptbr.errors import ConfigError
-from ptbr.memory import (
-    GIB,
-    RUNTIME_BYTES,
-    Architecture,
-    MemoryEstimate,
-    estimate_lora_memory,
-    estimate_training_memory,
-)
+from ptbr.config import FinetuneConfig, LoopSettings
+from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run
 from ptbr.preflight.hardware import Hardware
 
 # Share of the free memory a run may plan to use: the rest absorbs allocator overhead and model
@@ -33,9 +27,6 @@ METAL_SHARE = 2 / 3
 BUSY_TOKENS = {"cuda": 2048}
 SHORTEST_SEQ = 64
 
-QUANT_ALIASES = {"4bit": "nf4", "nf4": "nf4", "qlora": "nf4", "8bit": "int8", "int8": "int8",
-                 "none": None, "lora": None, "": None}
-
 
 # What recommended_config.json always holds (with the settings the user gave)
 RECOMMENDED_KEYS = {
@@ -48,7 +39,7 @@ RECOMMENDED_KEYS = {
 
 @dataclass
 class Recommendation:
-    settings: dict  # the requested settings with the recommended values in place
+    settings: LoopSettings  # the requested settings with the recommended values in place
     fits: bool
     target: str  # cuda | cpu | mps | mlx
     budget: int  # bytes the run may use
@@ -65,27 +56,19 @@ class Recommendation:
         """recommended_config.json, as `ptbr train/finetune --config` reads it: the settings the
         user gave and the ones recommended (None: all). Defaults derived from other settings (the
         warmup from max_steps) are left out, so that they follow a later --max-steps."""
+        values = dataclasses.asdict(self.settings)
         if given is None:
-            given = set(self.settings)
-        mode = "pretrain" if "seq_len" in self.settings else "finetune"
-        keep = given | {k for k in RECOMMENDED_KEYS[mode] if self.settings.get(k) is not None}
-        return {k: v for k, v in self.settings.items() if k in keep} | {"reasons": list(self.reasons)}
+            given = set(values)
+        keep = given | {k for k in RECOMMENDED_KEYS[mode_of(self.settings)] if values.get(k) is not None}
+        return {k: v for k, v in values.items() if k in keep} | {"reasons": list(self.reasons)}
+
+
+def mode_of(settings: LoopSettings) -> str:
+    return "finetune" if isinstance(settings, FinetuneConfig) else "pretrain"
 
 
 def seq_key(mode: str) -> str:
     return "seq_len" if mode == "pretrain" else "max_seq_len"
-
-
-def quantization(requested: dict, target: str) -> str | None:
-    """The memory model's name for the requested quantization of a fine-tuning base."""
-    raw = requested.get("quant")
-    name = "none" if raw is None else str(raw).lower()
-    if name not in QUANT_ALIASES:
-        raise ConfigError(f"unknown quant {raw!r}", "quant", "use 4bit (QLoRA), 8bit or none (LoRA)")
-    quant = QUANT_ALIASES[name]
-    if quant and target == "mlx":
-        return "mlx4"  # MLX quantizes with its own 4-bit affine format
-    return quant
 
 
 def choose_target(hardware: Hardware, mode: str, device: str) -> str:
@@ -146,43 +129,21 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:
     return budget
 
 
-LORA_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-                "down_proj": "down"}
-
-
-def lora_targets(requested: dict) -> tuple[str, ...]:
-    """The memory model's names for --target-modules (default: every projection)."""
-    names = [n.strip() for n in (requested.get("target_modules") or "").split(",") if n.strip()]
-    known = tuple(LORA_TARGETS[n] for n in names if n in LORA_TARGETS)
-    return known or tuple(LORA_TARGETS.values())
-
-
-def estimate(mode: str, arch: Architecture, requested: dict, target: str, batch_size: int, seq_len: int,
-             precision: str, checkpointing: bool) -> MemoryEstimate:
-    """The memory model for one candidate, the runtime outside the model's tensors included."""
-    overhead = RUNTIME_BYTES.get(target, RUNTIME_BYTES["cpu"])
-    if mode == "pretrain":
-        return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead)
-    return estimate_lora_memory(arch, batch_size, seq_len, int(requested.get("lora_r", 16)),
-                                quantization(requested, target), precision, checkpointing,
-                                lora_dropout=float(requested.get("lora_dropout") or 0) > 0, overhead=overhead,
-                                targets=lora_targets(requested), device=target)
-
-
-def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture, *,
+def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *,
               max_positions: int | None = None, examples: int | None = None,
               longest: int | None = None) -> Recommendation:
     """The settings to run with on this hardware, and why. Fine-tuning: `examples` gives the
     steps per epoch; `longest` (tokens of the longest example) the length to plan memory for,
     since a micro-batch is padded to its longest example, never beyond it."""
     reasons: list[str] = []
+    mode = mode_of(requested)
     key = seq_key(mode)
-    target = choose_target(hardware, mode, requested.get("device", "auto"))
-    precision = choose_precision(hardware, target, requested.get("precision", "auto"), reasons)
+    target = choose_target(hardware, mode, requested.device)
+    precision = choose_precision(hardware, target, requested.precision, reasons)
     budget = memory_budget(hardware, target, reasons)
-    effective = requested["batch_size"] * requested["grad_accum"]
-    wants_checkpointing = bool(requested.get("gradient_checkpointing"))
-    cap = requested[key]
+    effective = requested.batch_size * requested.grad_accum
+    wants_checkpointing = requested.gradient_checkpointing
+    cap = getattr(requested, key)
     if max_positions and cap > max_positions:
         cap = max_positions
         reasons.append(f"{key} {cap}: the model has {max_positions} positions")
@@ -191,11 +152,12 @@ def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture
         planned = longest
         reasons.append(f"memory planned for the longest example, {longest} tokens ({key} {cap} is only a cap)")
 
-    def fits(batch: int, length: int, checkpointing: bool) -> bool:
-        return estimate(mode, arch, requested, target, batch, length, precision, checkpointing).total <= budget
+    def estimate(batch: int, length: int, checkpointing: bool) -> MemoryEstimate:
+        return estimate_run(requested, arch, target, batch, length, precision, checkpointing)
 
     def largest(length: int, checkpointing: bool) -> int | None:
-        return next((b for b in _divisors_descending(effective) if fits(b, length, checkpointing)), None)
+        return next((b for b in _divisors_descending(effective) if estimate(b, length, checkpointing).total <= budget),
+                    None)
 
     # the longest sequence first; shorter (halved) only when not even one sequence fits
     choice, length = None, planned
@@ -217,11 +179,11 @@ def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture
     fits_at_all = choice is not None
     batch, length, checkpointing = choice or (1, min(planned, SHORTEST_SEQ), True)
 
-    chosen = estimate(mode, arch, requested, target, batch, length, precision, checkpointing)
-    asked = estimate(mode, arch, requested, target, requested["batch_size"], planned, precision, wants_checkpointing)
-    settings = dict(requested)
-    settings.update({"batch_size": batch, "grad_accum": effective // batch, key: length if length < planned else cap,
-                     "precision": precision, "gradient_checkpointing": checkpointing})
+    chosen = estimate(batch, length, checkpointing)
+    asked = estimate(requested.batch_size, planned, wants_checkpointing)
+    settings = dataclasses.replace(requested, batch_size=batch, grad_accum=effective // batch,
+                                   precision=precision, gradient_checkpointing=checkpointing,
+                                   **{key: length if length < planned else cap})
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     if not fits_at_all:
         reasons.append(f"does not fit: micro-batch 1 of {length} tokens with gradient checkpointing needs "
@@ -233,11 +195,11 @@ def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture
             reasons.append(f"{key} lowered from {planned} to {length}: one sequence of {planned} tokens does not fit "
                            "even with gradient checkpointing")
         if not asked.total <= budget:
-            reasons.append(f"the requested micro-batch {requested['batch_size']} x {planned} tokens would need "
+            reasons.append(f"the requested micro-batch {requested.batch_size} x {planned} tokens would need "
                            f"{gib(asked.total)}")
-        reasons.append(f"learning_rate {requested['learning_rate']:g} unchanged: the effective batch is unchanged")
+        reasons.append(f"learning_rate {requested.learning_rate:g} unchanged: the effective batch is unchanged")
     if mode == "finetune" and examples:
-        steps, epochs = -(-examples // effective), int(requested.get("epochs") or 1)
+        steps, epochs = -(-examples // effective), requested.epochs
         reasons.append(f"{examples} training examples / {effective} per step = {steps} steps per epoch, "
                        f"{steps * epochs} for {epochs} epoch{'s' if epochs != 1 else ''}")
     if target == "cpu" and mode == "pretrain" and arch.parameters > 50_000_000:

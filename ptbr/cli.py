@@ -42,7 +42,7 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ptbr", description="Train Portuguese (PT-BR) language models reproducibly.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ptbr {__version__}")
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help='a question for a chat model, or text to continue, e.g. "Era uma vez"')
     p.add_argument("--model", required=True, help="a model directory (OUTPUT/final, a merged model) or a base model")
     p.add_argument("--adapter", help="a LoRA adapter directory (OUTPUT/adapters) to apply to --model")
+    p.add_argument("--download", action="store_true", help="allow --model to be a Hugging Face Hub id (needs network)")
     p.add_argument("--raw", action="store_true",
                    help="continue the prompt as plain text, even where the model was trained on conversations "
                         "(default: the chat template for a model trained on chat data, or whose tokenizer has one)")
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="dtype of the merged weights (default: auto, the base's own)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
+    p.add_argument("--download", action="store_true", help="allow --base to be a Hugging Face Hub id (needs network)")
 
     p = command("preflight")
     add_preflight_flags(p)
@@ -154,11 +156,27 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a value of the wrong type, a choice not offered) in
+    ptbr's one-line form, exit 2, like every other bad setting."""
+
+    def error(self, message: str):
+        from ptbr.errors import ConfigError
+
+        raise ConfigError(message, self.prog, f"see `{self.prog} --help`")
+
+
 def _run(argv: list[str] | None) -> int:
+    from ptbr.errors import ConfigError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as exc:
+        print(exc.one_line(), file=sys.stderr, flush=True)
+        return exc.exit_code
     if not args.command:
-        parser.print_help()
+        parser.print_help(sys.stderr)  # no command: a usage error, not output
         return 2
     debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
     from ptbr.errors import PtbrError, error_line

@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ptbr.errors import ConfigError, collect
 
@@ -95,6 +95,10 @@ BACKENDS = ("auto", "torch", "mlx")
 SETTINGS_FIX = "correct those values (`ptbr COMMAND --help` lists every setting and its default)"
 
 
+# torch, numpy and mlx all take seeds below this
+MAX_SEED = 2**63
+
+
 def default_warmup(max_steps: int) -> int:
     """5% of the run, at least 1 step, at most 1,000."""
     return min(1000, max(1, round(0.05 * max_steps)))
@@ -147,12 +151,20 @@ class LoopSettings:
             self.learning_rate = self.default_learning_rate()
         collect(self.problems(), ConfigError, "settings", SETTINGS_FIX)
 
+    optional_paths: ClassVar[tuple[str, ...]] = ()  # path settings that may be left out, never given as ""
+
     def default_learning_rate(self) -> float:
         return 2e-4
 
     def problems(self) -> list[str]:
         """Every invalid value, so that one run reports them all."""
         found = []
+        if not isinstance(self.output, str) or not self.output.strip():
+            found.append(f"output must be a directory path, got {self.output!r}")
+        for name in self.optional_paths:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                found.append(f"{name} must be a path or left out, got {value!r}")
         for name in ("batch_size", "grad_accum", "max_steps", "eval_batches", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -173,8 +185,8 @@ class LoopSettings:
             value = getattr(self, name)
             if not _finite(value) or not 0 <= value < 1:
                 found.append(f"{name} must be within [0, 1), got {value!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            found.append(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            found.append(f"seed must be an integer within [0, 2**63), got {self.seed!r}")
         if self.backend not in BACKENDS:
             found.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.device not in DEVICES:
@@ -200,6 +212,7 @@ class PretrainConfig(LoopSettings):
     tokenizer: str | None = setting(None, "tokenizer.json (needed for datasets without meta.json).")
     model_size: str = setting("tiny", "Model preset: tiny, 85m, 400m or 800m.")
     seq_len: int = setting(256, "Tokens per training sequence.")
+    optional_paths: ClassVar[tuple[str, ...]] = ("data", "tokenizer")
 
     def default_learning_rate(self) -> float:
         return PRESETS[self.model_size].learning_rate if self.model_size in PRESETS else 3e-4
@@ -245,6 +258,7 @@ class FinetuneConfig(LoopSettings):
     drop_long: bool = setting(False, "Drop examples longer than max_seq_len instead of truncating them.")
     epochs: int = setting(1, "Passes over the training examples (ignored when max_steps is given).")
     merge: bool = setting(False, "At the end, also write OUTPUT/merged: the base with the best adapter merged in.")
+    optional_paths: ClassVar[tuple[str, ...]] = ("valid",)
     trust_remote_code: bool = setting(False, "Allow the base model's own Python code to run (only for models you trust).")
 
     def resolve_steps(self, steps_per_epoch: int) -> FinetuneConfig:
@@ -342,8 +356,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}", "--config", "give the path of an existing JSON or YAML file")
-    text = path.read_text(encoding="utf-8")
     try:
+        text = path.read_text(encoding="utf-8")
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
@@ -352,7 +366,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(text)
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"cannot parse config file: {first_line}", str(path), "fix the JSON/YAML syntax") from exc
+        raise ConfigError(f"cannot parse config file: {first_line}", str(path),
+                          "fix the JSON/YAML syntax (the file must be UTF-8 text)") from exc
     if not isinstance(data, dict):
         raise ConfigError("config file must hold a mapping of settings", str(path), "write key: value pairs")
     return data

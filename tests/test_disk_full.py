@@ -15,7 +15,6 @@ import resource
 import subprocess
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch

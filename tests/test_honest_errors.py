@@ -125,3 +125,61 @@ def test_the_readme_s_what_ptbr_does_list_matches_the_code():
     table = readme.split("| exit code | meaning |", 1)[1]
     assert f"| {TrainingDiverged.exit_code} | training diverged: loss or gradients non-finite for " \
            f"{MAX_BAD_STEPS_IN_A_ROW} steps in a row |" in table
+
+
+def test_out_of_memory_without_auto_fit_is_exit_5_not_a_crash(tmp_path, capsys, oom_above):
+    oom_above(limit=2)
+    code = main(["train", "--output", str(tmp_path / "run"), "--model-size", "tiny", "--seq-len", "32",
+                 "--batch-size", "4", "--max-steps", "2", "--device", "cpu"])
+    line = last_error(capsys)
+    assert code == 5 and line.startswith("error: out of memory on cpu: CUDA out of memory")
+    assert "--auto-fit" in line and not (tmp_path / "run" / "crash_report.txt").exists()
+
+
+def _small_vocab_base(toy, tmp_path) -> Path:
+    """The toy base's files with config.json claiming a vocabulary smaller than its tokenizer's."""
+    import shutil
+
+    base = tmp_path / "small_vocab"
+    shutil.copytree(toy.base, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    return base
+
+
+def test_a_tokenizer_that_does_not_belong_to_the_model_is_refused_before_training(toy, tmp_path, capsys):
+    base = _small_vocab_base(toy, tmp_path)
+    for args in (["finetune", "--base", str(base), "--data", str(toy.data), "--output", str(tmp_path / "run"),
+                  "--quant", "none"],
+                 ["validate-data", str(toy.data), "--base", str(base)]):
+        assert main(args) == 4
+        assert "the tokenizer has 384 tokens but the model's vocabulary (config.json vocab_size) has 100" in \
+            last_error(capsys)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert main(["preflight", "--mode", "finetune", "--base", str(base), "--data", str(toy.data), "--quant", "none",
+                 "--output", str(tmp_path / "plan")]) == 10
+    report = json.loads((tmp_path / "plan" / "preflight_report.json").read_text())
+    assert [c["name"] for c in report["checks"] if c["status"] == "fail"] == ["model.tokenizer"]
+    # a failed preflight recommends nothing: no config to run into the same failure, no "next:" line
+    assert not (tmp_path / "plan" / "recommended_config.json").exists()
+    assert "next: ptbr finetune" not in capsys.readouterr().out
+
+
+def test_examples_longer_than_the_model_are_one_verdict(toy, tmp_path, capsys):
+    """The toy base has 256 positions; --max-seq-len 1024 keeps a 300-token example whole."""
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"text": " ".join(["Porto"] * 300)}) + "\n", encoding="utf-8")
+    assert main(["validate-data", str(long), "--base", str(toy.base)]) == 3
+    assert "1 examples are longer than the base model's 256 positions" in capsys.readouterr().out
+    assert main(["finetune", "--base", str(toy.base), "--data", str(long), "--output", str(tmp_path / "run"),
+                 "--quant", "none"]) == 3
+    assert "longer than the base model's 256 positions" in last_error(capsys)
+
+
+def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):
+    run = tmp_path / "my_run"
+    run.mkdir()
+    (run / "train.log").write_text("a user's run\n")
+    assert main(["smoke", "--output", str(run)]) == 9
+    assert "already holds other files" in last_error(capsys)
+    assert [p.name for p in run.iterdir()] == ["train.log"]

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from ptbr.config import PRESETS, FinetuneConfig, PretrainConfig, build_settings
-from ptbr.memory import GIB, Architecture
+from ptbr.memory import GIB, Architecture, estimate_run
 from ptbr.preflight import GPU, Hardware, recommend
 from ptbr.preflight.checks import FAIL, PASS, WARN, check_kaggle, check_packages
-from ptbr.memory import estimate_run
 
 # --------------------------------------------------------------------------------------------
 # Injected machines, with the numbers torch and psutil report on them

@@ -2,32 +2,56 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ptbr.commands import quiet_transformers
-from ptbr.errors import ConfigError, ModelError
+from ptbr.config import MAX_SEED
+from ptbr.errors import ConfigError, ModelError, collect
+from ptbr.finetune.adapter import ADAPTER_META, check_adapter, read_adapter_meta
+from ptbr.finetune.base import check_base, load_error
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
-def load_for_generation(model_dir: str, adapter: str | None, device):
+def adapter_files(adapter: str | None) -> Path | None:
+    """Where the adapter's tokenizer and ptbr_adapter.json are: the adapter directory itself, or, for
+    a checkpoint of a run (OUTPUT/checkpoints/step_N, which holds only weights), OUTPUT/adapters."""
+    if adapter is None:
+        return None
+    path = Path(adapter)
+    if not (path / ADAPTER_META).is_file() and path.parent.name == "checkpoints":
+        beside = path.parent.parent / "adapters"
+        if (beside / ADAPTER_META).is_file():
+            return beside
+    return path
+
+
+def load_for_generation(model_dir: str, adapter: str | None, device, download: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(model_dir)
-    if path.exists() and not (path / "config.json").is_file():
-        raise ModelError("no config.json in the model directory", str(path), "give OUTPUT/final or a Hugging Face model dir")
-    # an adapter written by `ptbr finetune` carries the tokenizer it was trained with (chat template included)
-    tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_dir
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-    except OSError as exc:
-        raise ModelError(f"cannot load the model: {str(exc).splitlines()[0]}", model_dir,
-                         "give a local model directory (OUTPUT/final)") from exc
+    check_base(model_dir, download, what="model")
     if adapter:
-        from peft import PeftModel
+        check_adapter(adapter)
+        if (Path(model_dir) / ADAPTER_META).is_file():
+            raise ConfigError("the model already has an adapter merged in (it holds ptbr_adapter.json): applying "
+                              "one again would count it twice", adapter,
+                              "give the merged model alone, or the base model with --adapter")
+    # an adapter written by `ptbr finetune` carries the tokenizer it was trained with (chat template included)
+    files = adapter_files(adapter)
+    tokenizer_dir = files if files and (files / "tokenizer_config.json").is_file() else model_dir
+    if not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES) and Path(tokenizer_dir).exists():
+        raise ModelError("no tokenizer in the model directory (a checkpoint holds only weights)", str(tokenizer_dir),
+                         "give OUTPUT/final, a merged model, or a base model with its tokenizer files")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=not download)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=not download)
+    except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, ValueError...: all mean "cannot load"
+        raise load_error("model", model_dir, exc) from exc
+    if adapter:
+        from ptbr.finetune.merge import apply_adapter
 
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            raise ModelError("no adapter_config.json in the adapter directory", adapter, "give OUTPUT/adapters")
-        model = PeftModel.from_pretrained(model, adapter)
+        model = apply_adapter(model, Path(adapter))
     return tokenizer, model.to(device).eval()
 
 
@@ -64,22 +88,29 @@ def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> 
     template means a chat model. --raw always continues the prompt as plain text."""
     if raw:
         return False
-    from ptbr.finetune.adapter import read_adapter_meta
-
-    meta = read_adapter_meta(adapter or model_dir)
+    meta = read_adapter_meta(adapter_files(adapter) or model_dir)
     if "format" in meta:
         return meta["format"] == "messages"
     return bool(getattr(tokenizer, "chat_template", None))
 
 
 def main(args) -> int:
-    if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0:
-        raise ConfigError("--max-new-tokens must be > 0, --temperature and --top-k >= 0", "ptbr generate",
-                          "correct the values")
+    problems = []
+    if not args.prompt.strip():
+        problems.append("the prompt is empty")
+    if args.max_new_tokens <= 0:
+        problems.append(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        problems.append(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        problems.append(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 <= args.seed < MAX_SEED:
+        problems.append(f"--seed must be within [0, 2**63), got {args.seed}")
+    collect(problems, ConfigError, "ptbr generate", "correct the values (see `ptbr generate --help`)")
     quiet_transformers()
     from ptbr.backends.torch.device import resolve_device
 
-    tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device))
+    tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device), args.download)
     chat = is_chat_model(args.model, args.adapter, tokenizer, args.raw)
     text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                     chat=chat)

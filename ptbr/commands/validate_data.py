@@ -31,16 +31,24 @@ def main(args) -> int:
     elif max_seq_len <= 0:
         raise ConfigError(f"--max-seq-len must be a positive integer, got {max_seq_len}", "ptbr validate-data",
                           "give a length in tokens, e.g. --max-seq-len 1024")
-    tokenizer = None
+    tokenizer, positions = None, None
     if args.base:
         from ptbr.commands import quiet_transformers
-        from ptbr.finetune.base import load_tokenizer
+        from ptbr.finetune.base import (
+            check_tokenizer_fits,
+            load_tokenizer,
+            max_positions,
+            read_config,
+        )
 
         quiet_transformers()
         tokenizer = load_tokenizer(args.base, args.trust_remote_code, args.download)
+        config = read_config(args.base)
+        check_tokenizer_fits(args.base, tokenizer, config)
+        positions = max_positions(config)
     # the verdict `ptbr finetune` and preflight give: the same function decides
     reports = [r for train, valid in data_sets(args.files)
-               for r in inspect_pair(train, valid, tokenizer, max_seq_len, args.drop_long)]
+               for r in inspect_pair(train, valid, tokenizer, max_seq_len, args.drop_long, positions)]
     if args.json:
         print(json.dumps([{"file": str(r.path), "format": r.schema, "examples": len(r.records),
                            "usable": len(r.examples) if tokenizer else None,
@@ -48,7 +56,8 @@ def main(args) -> int:
                            "problems": r.problems, "warnings": r.warnings} for r in reports], indent=2))
     else:
         for report in reports:
-            described = f"{len(report.records)} valid examples ({report.schema or 'no known format'})"
+            count = len(report.records)
+            described = f"{count} valid example{'' if count == 1 else 's'} ({report.schema or 'no known format'})"
             if tokenizer is not None and report.records:
                 described += (f", {len(report.examples)} usable within max_seq_len {max_seq_len:,} "
                               f"(longest {report.longest:,} tokens)")

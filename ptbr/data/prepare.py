@@ -20,6 +20,8 @@ from ptbr.files import file_sha256, fsync, remove_leftovers, writing
 META_FORMAT = "ptbr-tokens"
 DOCS_PER_BATCH = 256
 DATASET_FILES = ("tokenizer.json", "train.bin", "val.bin", "meta.json")
+# Far beyond any real vocabulary (the largest are ~260k), and what uint32 ids and RAM allow.
+MAX_VOCAB_SIZE = 1 << 20
 # A trained vocabulary below this share of --vocab-size is reported (the corpus ran out of merges).
 FULL_VOCAB_SHARE = 0.9
 
@@ -37,8 +39,12 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     the end, meta.json last, with INCOMPLETE_MARKER present while the files are swapped: a crash or
     a full disk never leaves token files that look like a complete dataset."""
     problems = []
-    if not isinstance(vocab_size, int) or vocab_size < 300:
-        problems.append(f"--vocab-size must be at least 300 (256 bytes + merges), got {vocab_size}")
+    if not isinstance(vocab_size, int) or not 300 <= vocab_size <= MAX_VOCAB_SIZE:
+        problems.append(f"--vocab-size must be within [300, {MAX_VOCAB_SIZE:,}] (256 bytes + merges), got {vocab_size}")
+    if not inputs or any(not str(item).strip() for item in inputs):
+        problems.append("--input must name files or directories, got an empty path")
+    if not str(output).strip():
+        problems.append("--output must be a directory path, got an empty one")
     if not isinstance(val_fraction, float | int) or not 0 <= val_fraction < 1:
         problems.append(f"--val-fraction must be within [0, 1), got {val_fraction}")
     collect(problems, ConfigError, "ptbr prepare", "correct the values (see `ptbr prepare --help`)")
@@ -84,7 +90,7 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
                  "asked: the corpus has no more pairs of tokens that occur twice (a larger corpus, or a smaller "
                  "--vocab-size, gives a full vocabulary)")
     vocab = tokenizer.get_vocab_size()
-    eos = eos_id(tokenizer)
+    eos = eos_id(tokenizer, tokenizer_path or "the trained tokenizer")
     dtype = token_dtype(vocab)
 
     total_bytes = sum(f.stat().st_size for f in files)

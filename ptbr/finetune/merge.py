@@ -14,7 +14,7 @@ from pathlib import Path
 from ptbr.backends.torch.lora import refuse_prequantized
 from ptbr.errors import ConfigError, ModelError
 from ptbr.files import write_directory
-from ptbr.finetune.adapter import ADAPTER_META, read_adapter_meta
+from ptbr.finetune.adapter import ADAPTER_META, check_adapter, check_merge_output, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
 from ptbr.log import log
 
@@ -22,32 +22,27 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
 def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str = "auto",
-                  trust_remote_code: bool = False) -> Path:
+                  trust_remote_code: bool = False, download: bool = False) -> Path:
     """Write base + adapter, merged, to `output` (written aside, then renamed into place)."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}", "--dtype", f"use one of: {', '.join(DTYPES)}")
-    adapter, output = Path(adapter), Path(output)
-    if not (adapter / "adapter_config.json").is_file():
-        raise ModelError("no adapter_config.json in the adapter directory", str(adapter), "give OUTPUT/adapters")
-    check_base(base)
+    adapter = check_adapter(adapter)
+    output = check_merge_output(output, base, adapter)
+    check_base(base, download)
     refuse_prequantized(base)
     torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     local_files_only=not download)
         tokenizer_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code,
+                                                  local_files_only=not download)
     except Exception as exc:  # noqa: BLE001
         raise load_error("base model", base, exc) from exc
-    try:
-        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    except Exception as exc:  # noqa: BLE001 - a shape or name mismatch: the adapter is for another base
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
-                         "give the --base the adapter was trained on") from exc
+    merged = apply_adapter(model, adapter).merge_and_unload()
 
     meta = read_adapter_meta(adapter)
 
@@ -60,3 +55,19 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
     write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base}: full model ({merged.dtype}) in {output}")
     return output
+
+
+def apply_adapter(model, adapter: Path):
+    """The PEFT adapter on `model`; an adapter that cannot be read, or was trained on another base,
+    is one ModelError that says which of the two it is."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - peft raises many kinds; all mean "this adapter cannot be used here"
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        if "size mismatch" in str(exc) or "shape" in str(exc).lower() or "Missing key" in str(exc):
+            raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
+                             "give the base model the adapter was trained on (its ptbr_adapter.json names it)") from exc
+        raise ModelError(f"the adapter cannot be loaded: {reason}", str(adapter),
+                         "check that the adapter directory is complete and uncorrupted (OUTPUT/adapters)") from exc

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, LoopSettings, get_preset
 from ptbr.files import write_text
+from ptbr.finetune.base import max_positions as base_positions
 from ptbr.memory import GIB, Architecture, quant_name
 from ptbr.preflight.checks import (
     FAIL,
@@ -83,14 +84,19 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     else:
         quant = quant_name(settings.quant, target)
         model_checks, base_config = read_base_config(settings)
-        tokenizer_checks, tokenizer = load_base_tokenizer(settings) if base_config else ([], None)
-        data_checks, summary = check_finetune_data(settings, tokenizer)
+        tokenizer_checks, tokenizer = load_base_tokenizer(settings, base_config) if base_config else ([], None)
+        max_positions = base_positions(base_config)
+        data_checks, summary = check_finetune_data(settings, tokenizer, max_positions)
         checks += model_checks + tokenizer_checks + data_checks
         examples, longest = summary.get("examples") or None, summary.get("longest") or None
         if base_config:
-            arch = Architecture.from_hf_config(base_config)
-            max_positions = base_config.get("max_position_embeddings")
-            if load_weights:
+            try:
+                arch = Architecture.from_hf_config(base_config)
+            except (KeyError, TypeError, ValueError) as exc:
+                checks.append(Check("model.architecture", FAIL, str(exc), "the memory model cannot read this "
+                                    f"config.json ({type(exc).__name__}: {exc})", "use a Llama/Mistral/Qwen-style "
+                                    "decoder"))
+            if load_weights and tokenizer is not None:
                 checks.append(load_test(settings))
 
     checks += check_packages(mode, target, quant, versions)
@@ -156,7 +162,8 @@ def _write(result: PreflightResult, settings: LoopSettings, given: set[str] | No
     from ptbr import __version__
 
     rec = result.recommendation
-    config_path = directory / CONFIG_FILE if rec is not None and rec.fits else None
+    # a config only for a run that can start: with a failed check it would only lead into that failure
+    config_path = directory / CONFIG_FILE if rec is not None and rec.fits and not result.failed else None
     report = {
         "ptbr": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -3,7 +3,6 @@ message and a fix) and never raises for what it finds; a problem is a `fail`, no
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -186,7 +185,8 @@ def check_pretrain_data(settings: PretrainConfig) -> tuple[list[Check], Any]:
     return checks, dataset
 
 
-def check_finetune_data(settings: FinetuneConfig, tokenizer=None) -> tuple[list[Check], dict]:
+def check_finetune_data(settings: FinetuneConfig, tokenizer=None, positions: int | None = None
+                        ) -> tuple[list[Check], dict]:
     """The JSONL files, with the verdict `ptbr finetune` and `validate-data` give (and encoded, with
     the length policy applied, when the base's tokenizer loaded). Returns (checks, {"examples", "longest"})."""
     from ptbr.finetune.data import data_paths, inspect_pair, problems_summary
@@ -196,7 +196,7 @@ def check_finetune_data(settings: FinetuneConfig, tokenizer=None) -> tuple[list[
     except PtbrError as exc:
         return [Check("data.train", FAIL, settings.data, exc.what, exc.fix)], {}
     checks, summary = [], {}
-    reports = inspect_pair(train_path, valid_path, tokenizer, settings.max_seq_len, settings.drop_long)
+    reports = inspect_pair(train_path, valid_path, tokenizer, settings.max_seq_len, settings.drop_long, positions)
     for name, report in zip(("data.train", "data.valid"), reports + [None], strict=False):
         if report is None:
             checks.append(Check(name, WARN, None, "no validation file: no evaluation, adapters/ gets the last step's",
@@ -240,7 +240,7 @@ def check_preset(settings: PretrainConfig, vocab_size: int | None) -> list[Check
 def read_base_config(settings: FinetuneConfig) -> tuple[list[Check], dict | None]:
     """The base model's config.json, read as JSON (no weights, no network)."""
     from ptbr.backends import resolve_name
-    from ptbr.finetune.base import check_base
+    from ptbr.finetune.base import check_base, read_config
 
     base = settings.base
     try:
@@ -259,16 +259,17 @@ def read_base_config(settings: FinetuneConfig) -> tuple[list[Check], dict | None
                           "download it first (huggingface-cli download ...) and give its directory")], None
     path = directory / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return [Check("model.config", FAIL, str(path), f"cannot read config.json: {exc}",
-                      "give a complete Hugging Face model directory")], None
-    config = config.get("text_config", config)  # multimodal wrappers keep the decoder's here
+        config = read_config(str(directory))
+    except PtbrError as exc:
+        return [Check("model.config", FAIL, str(path), exc.what, exc.fix)], None
     needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in needed if k not in config]
-    if missing:
-        return [Check("model.config", FAIL, str(path), f"config.json lacks {', '.join(missing)}",
-                      "use a Llama/Mistral/Qwen-style decoder")], None
+    wrong = [k for k in needed if k in config and (not isinstance(config[k], int) or config[k] <= 0)]
+    if missing or wrong:
+        found = ([f"lacks {', '.join(missing)}"] if missing else []) + (
+            [f"has non-positive or non-integer {', '.join(wrong)}"] if wrong else [])
+        return [Check("model.config", FAIL, str(path), f"config.json {' and '.join(found)}",
+                      "use a complete Llama/Mistral/Qwen-style decoder config")], None
     kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
     return [Check("model.config", PASS, {k: config.get(k) for k in needed + ("num_key_value_heads", "model_type")},
                   f"{base}: {kind}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
@@ -285,11 +286,12 @@ def _hub_cache_dir(repo_id: str) -> Path | None:
         return None
 
 
-def load_base_tokenizer(settings: FinetuneConfig) -> tuple[list[Check], Any]:
-    from ptbr.finetune.base import load_tokenizer
+def load_base_tokenizer(settings: FinetuneConfig, config: dict | None = None) -> tuple[list[Check], Any]:
+    from ptbr.finetune.base import check_tokenizer_fits, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(settings.base, settings.trust_remote_code, settings.download)
+        check_tokenizer_fits(settings.base, tokenizer, config)
     except PtbrError as exc:
         return [Check("model.tokenizer", FAIL, settings.base, exc.what, exc.fix)], None
     return [Check("model.tokenizer", PASS, len(tokenizer), f"the tokenizer loads ({len(tokenizer):,} tokens)")], tokenizer

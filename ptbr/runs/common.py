@@ -19,10 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ptbr.config import default_warmup
-from ptbr.errors import ConfigError, ModelError, OutputError, error_line
-from ptbr.files import remove_leftovers, write_json
+from ptbr.errors import ConfigError, DeviceError, ModelError, OutputError, PtbrError, error_line
+from ptbr.files import first_line, remove_leftovers, write_json
 from ptbr.log import attach_run_log, detach, log, to_file_only
-from ptbr.train.checkpoint import checkpoints_dir, complete_checkpoints, corruption, read_state
+from ptbr.train.checkpoint import STATE_FILE, checkpoints_dir, complete_checkpoints, corruption, read_state
 from ptbr.train.lock import RunLock
 from ptbr.train.loop import LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary
@@ -70,6 +70,20 @@ def open_run(settings) -> Iterator[Path]:
             raise
         finally:
             detach(handler)
+
+
+@contextmanager
+def out_of_memory_is_an_error(backend) -> Iterator[None]:
+    """Without --auto-fit, running out of memory is the user's to fix (exit 5), not a crash."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, PtbrError) or not backend.is_out_of_memory(exc):
+            raise
+        raise DeviceError(f"out of memory on {backend.device}: {first_line(exc)[:160]}", "training",
+                          "run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
+                          "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config "
+                          "that fits; the last checkpoint is intact") from exc
 
 
 def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:
@@ -125,9 +139,12 @@ def find_resume(run_dir: Path, settings, identity: dict) -> Resume:
             raise ModelError("checkpoint not found", str(path),
                              "give a checkpoints/step_NNNNNN directory, or --resume auto or never")
         state = read_state(path)
+        if state is None and not (path / STATE_FILE).is_file():
+            raise ModelError("not a checkpoint (it has no trainer_state.json)", str(path),
+                             "give a checkpoints/step_NNNNNN directory, or --resume auto or never")
         if state is None:
-            raise ModelError("the checkpoint is incomplete (a file is missing or has the wrong size)", str(path),
-                             "give another checkpoint, or --resume auto to pick the newest complete one")
+            raise ModelError("the checkpoint is incomplete or malformed (trainer_state.json, or a file it lists)",
+                             str(path), "give another checkpoint, or --resume auto to pick the newest complete one")
         _check_belongs(path, state, settings, identity)
         problem = corruption(path, state)
         if problem:

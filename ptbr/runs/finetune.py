@@ -15,11 +15,26 @@ from ptbr.backends import create_backend
 from ptbr.config import FinetuneConfig
 from ptbr.errors import ConfigError, DataError
 from ptbr.finetune.adapter import save_adapter
-from ptbr.finetune.base import fingerprint, load_tokenizer, local_path
+from ptbr.finetune.base import (
+    check_tokenizer_fits,
+    fingerprint,
+    load_tokenizer,
+    local_path,
+    max_positions,
+    read_config,
+)
 from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
 from ptbr.finetune.data import JsonlReport, data_paths, inspect_pair, problems_summary
 from ptbr.log import log
-from ptbr.runs.common import Resume, find_resume, finish, open_run, start_state, write_run_config
+from ptbr.runs.common import (
+    Resume,
+    find_resume,
+    finish,
+    open_run,
+    out_of_memory_is_an_error,
+    start_state,
+    write_run_config,
+)
 from ptbr.train.autofit import auto_fit, ram_guard, resume_smaller_on_oom
 from ptbr.train.loop import Callbacks, LoopState, fit
 from ptbr.train.schedule import Schedule
@@ -50,7 +65,8 @@ def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
                 result = resume_smaller_on_oom(backend, lambda s: _train(s, backend, loaded, run_dir, watchdog),
                                                settings, run_dir)
             else:
-                result = _train(settings, backend, loaded, run_dir, watchdog)
+                with out_of_memory_is_an_error(backend):
+                    result = _train(settings, backend, loaded, run_dir, watchdog)
         if settings.merge:
             # outside the watchdog: loading and merging a 7B base on the CPU takes minutes
             # without a step to report
@@ -58,16 +74,20 @@ def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
             from ptbr.files import write_json
 
             merged = merge_adapter(settings.base, run_dir / "adapters", run_dir / "merged",
-                                   trust_remote_code=settings.trust_remote_code)
+                                   trust_remote_code=settings.trust_remote_code, download=settings.download)
             result.summary["merged"] = str(merged)
             write_json(run_dir / "training_summary.json", result.summary)
         return result
 
 
-def load_data(settings: FinetuneConfig, tokenizer) -> tuple[JsonlReport, JsonlReport | None]:
+def load_data(settings: FinetuneConfig, tokenizer,
+              positions: int | None = None) -> tuple[JsonlReport, JsonlReport | None]:
     """Check and encode train (and valid); every problem of both files in one DataError."""
-    reports = inspect_pair(*data_paths(settings.data, settings.valid), tokenizer, settings.max_seq_len,
-                           settings.drop_long)
+    train_path, valid_path = data_paths(settings.data, settings.valid)
+    if valid_path is not None and valid_path.resolve() == train_path.resolve():
+        log("warning: the validation file is the training file: the validation loss will measure memorisation, "
+            "and the best adapter is the one that fits the training data best")
+    reports = inspect_pair(train_path, valid_path, tokenizer, settings.max_seq_len, settings.drop_long, positions)
     for report in reports:
         for warning in report.warnings:
             log(f"warning: {report.path.name}: {warning}")
@@ -114,7 +134,13 @@ def _load(settings: FinetuneConfig, backend, run_dir: Path) -> Loaded:
     """Tokenizer, checked data and the resume check, then the base + LoRA (last: a 7B base takes
     minutes, and everything that can fail on the settings fails before it)."""
     tokenizer = load_tokenizer(settings.base, settings.trust_remote_code, settings.download)
-    train, valid = load_data(settings, tokenizer)
+    config = read_config(settings.base)  # None for a hub id: the loaded model is checked below
+    check_tokenizer_fits(settings.base, tokenizer, config)
+    width = (config or {}).get("hidden_size")
+    if isinstance(width, int) and settings.lora_r > width:
+        log(f"warning: --lora-r {settings.lora_r} exceeds the base's hidden size {width}: a rank above a layer's "
+            "width adds parameters, not capacity")
+    train, valid = load_data(settings, tokenizer, max_positions(config))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     run_identity = identity(settings, train, backend)
     resolved = settings.resolve_steps(steps_per_epoch(len(train.examples), settings.batch_size * settings.grad_accum))
@@ -122,11 +148,9 @@ def _load(settings: FinetuneConfig, backend, run_dir: Path) -> Loaded:
     log(f"backend {backend.name}, device {backend.device}, precision {backend.precision} ({backend.reason}), "
         f"base weights {settings.quant}")
     adapted = backend.load_adapted(settings)
-    positions = getattr(adapted, "max_positions", None)
-    longest = max(len(e.ids) for e in train.examples + (valid.examples if valid else []))
-    if positions and longest > positions:
-        raise ConfigError(f"examples of up to {longest} tokens exceed the base model's {positions} positions",
-                          "--max-seq-len", f"use --max-seq-len {positions} or less")
+    if config is None:  # a downloaded base: the same checks, now that its config is known
+        check_tokenizer_fits(settings.base, tokenizer, adapted.config)
+        load_data(settings, tokenizer, adapted.max_positions)
     return Loaded(tokenizer, pad_id, train, valid, adapted, run_identity, (settings.resume, resume))
 
 

@@ -15,7 +15,14 @@ from ptbr.data.tokenizer import save_for_transformers
 from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset, eval_windows, open_dataset
 from ptbr.files import file_sha256, write_directory
 from ptbr.log import log
-from ptbr.runs.common import find_resume, finish, open_run, start_state, write_run_config
+from ptbr.runs.common import (
+    find_resume,
+    finish,
+    open_run,
+    out_of_memory_is_an_error,
+    start_state,
+    write_run_config,
+)
 from ptbr.train.autofit import auto_fit, ram_guard, resume_smaller_on_oom
 from ptbr.train.loop import fit
 from ptbr.train.schedule import Schedule
@@ -29,7 +36,8 @@ def run_pretrain(settings: PretrainConfig) -> dict:
             Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report) as watchdog:
         if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
             return resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog), settings, run_dir)
-        return _run(settings, backend, run_dir, watchdog)
+        with out_of_memory_is_an_error(backend):
+            return _run(settings, backend, run_dir, watchdog)
 
 
 def identity(settings: PretrainConfig, dataset: TokenDataset, backend) -> dict:

@@ -48,7 +48,7 @@ class Watchdog:
     def first_step_done(self, seconds: float) -> None:
         if self.configured is None:
             self.limit = max(AFTER_FIRST_STEP_MIN_S, AFTER_FIRST_STEP_FACTOR * seconds)
-            log(f"hang watchdog: {self.limit:.0f} s without progress is a hang (--hang-timeout to change)")
+            log(f"hang watchdog: {format_seconds(self.limit)} without progress is a hang (--hang-timeout to change)")
 
     def stop(self) -> None:
         self._stop.set()
@@ -72,14 +72,14 @@ class Watchdog:
     def _report(self, waited: float) -> None:
         path = self.run_dir / "hang_report.txt"
         with open(path, "w", encoding="utf-8") as f:
-            f.write(f"ptbr hang report: no progress for {waited:.0f} s (limit {self.limit:.0f} s) "
+            f.write(f"ptbr hang report: no progress for {format_seconds(waited)} (limit {format_seconds(self.limit)}) "
                     f"while {self.phase}\n\n")
             f.write(f"device memory: {self._memory()}\n\nlast log lines:\n")
             f.writelines(_tail(self.run_dir / "train.log", 20))
             f.write("\nstacks of every thread (most recent call first):\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        what = (f"no progress for {waited:.0f} s while {self.phase} (hang report in {path}); "
+        what = (f"no progress for {format_seconds(waited)} while {self.phase} (hang report in {path}); "
                 "fix: read the stacks there; raise --hang-timeout if the step is just slow")
         if self.action == "warn":
             log(f"warning: {what}; --hang-action warn: still waiting")
@@ -95,6 +95,10 @@ class Watchdog:
             return f"process RSS {psutil.Process().memory_info().rss:,} B"
         except Exception as exc:  # noqa: BLE001 - a report must not fail for want of a number
             return f"unknown ({exc})"
+
+
+def format_seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
 
 
 def _tail(path: Path, lines: int) -> list[str]:

@@ -178,6 +178,7 @@ def _run(argv: list[str] | None) -> int:
     if not args.command:
         parser.print_help(sys.stderr)  # no command: a usage error, not output
         return 2
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what --num-processes hands its workers
     debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
     from ptbr.errors import PtbrError, error_line
     from ptbr.log import setup_console

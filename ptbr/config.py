@@ -133,6 +133,11 @@ class LoopSettings:
         "auto", "auto: bf16 where the GPU really has it, fp16 + GradScaler on T4-class GPUs, fp32 on CPU.", PRECISIONS
     )
     resume: str = setting("auto", "auto: continue from the newest complete checkpoint; never; or a checkpoint PATH.")
+    num_processes: str = setting(
+        "1", "Data-parallel processes to start on this machine: a number, or auto (one per visible GPU, 1 without "
+        "GPUs). Under torchrun or `accelerate launch` the launcher starts them instead.")
+    fsdp: bool = setting(False, "Shard weights, gradients and AdamW state across the processes (FSDP) instead of "
+                         "copying the model to each (DDP): for models whose training state does not fit one GPU.")
     gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass to save memory.")
     auto_fit: bool = setting(
         False, "Before training, run a real step on the longest batch and halve batch_size (doubling grad_accum) "
@@ -195,6 +200,9 @@ class LoopSettings:
             found.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not self.resume:
             found.append("resume must be auto, never or a checkpoint path")
+        if not (self.num_processes == "auto" or (isinstance(self.num_processes, str) and
+                                                  self.num_processes.isdigit() and int(self.num_processes) >= 1)):
+            found.append(f"num_processes must be a number >= 1 or auto, got {self.num_processes!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             found.append(f"keep_last must be an integer >= 0, got {self.keep_last!r}")
         if self.hang_timeout is not None and (not _finite(self.hang_timeout) or self.hang_timeout <= 0):

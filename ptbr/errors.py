@@ -36,6 +36,10 @@ class PtbrError(Exception):
         self.fix = fix
         self.problems = list(problems) if problems else [what]  # each problem, when several were found
 
+    def __reduce__(self):
+        # every field survives pickling (a data-parallel run passes errors from rank 0 to the others)
+        return (self.__class__, (self.what, self.where, self.fix, self.problems))
+
     def one_line(self) -> str:
         text = f"error: {self.what}"
         if self.where:

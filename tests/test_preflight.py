@@ -65,18 +65,20 @@ def qlora_request() -> FinetuneConfig:
 def check_invariants(rec, hardware: Hardware, requested, arch: Architecture, seq_key: str):
     s = rec.settings
     assert type(s) is type(requested)  # the recommendation is the run's own settings
-    assert s.batch_size * s.grad_accum == requested.batch_size * requested.grad_accum
+    processes = int(s.num_processes)
+    assert processes == (len(hardware.gpus) if rec.target == "cuda" and hardware.gpus else 1)  # every GPU
+    assert s.batch_size * s.grad_accum * processes == requested.batch_size * requested.grad_accum
     assert s.learning_rate == requested.learning_rate
     if not rec.fits:
         return
     assert rec.estimate.total <= rec.budget
     assert getattr(s, seq_key) <= getattr(requested, seq_key)
     # the micro-batch is the largest that fits: the next larger divisor of the effective batch does not
-    effective = requested.batch_size * requested.grad_accum
-    larger = [d for d in range(s.batch_size + 1, effective + 1) if effective % d == 0]
+    share = requested.batch_size * requested.grad_accum // processes
+    larger = [d for d in range(s.batch_size + 1, share + 1) if share % d == 0]
     if larger:
-        bigger = estimate_run(requested, arch, rec.target, larger[0], getattr(s, seq_key), s.precision,
-                              s.gradient_checkpointing)
+        bigger = estimate_run(s, arch, rec.target, larger[0], getattr(s, seq_key), s.precision,
+                              s.gradient_checkpointing, processes)
         assert bigger.total > rec.budget
     expected = {"cuda": "bf16" if hardware.gpus and hardware.gpus[0].real_bf16 else "fp16", "cpu": "fp32",
                 "mps": "fp32", "mlx": "bf16"}[rec.target]
@@ -87,8 +89,9 @@ def check_invariants(rec, hardware: Hardware, requested, arch: Architecture, seq
 PRETRAIN_EXPECTED = {
     ("t4", "tiny"): (32, 1, 512, False), ("t4", "85m"): (8, 4, 1024, False),
     ("t4", "400m"): (4, 8, 1024, False), ("t4", "800m"): (4, 8, 1024, True),
-    ("2xt4", "tiny"): (32, 1, 512, False), ("2xt4", "85m"): (8, 4, 1024, False),
-    ("2xt4", "400m"): (4, 8, 1024, False), ("2xt4", "800m"): (4, 8, 1024, True),
+    # 2x T4: one process per GPU, each with half the effective batch
+    ("2xt4", "tiny"): (16, 1, 512, False), ("2xt4", "85m"): (8, 2, 1024, False),
+    ("2xt4", "400m"): (4, 4, 1024, False), ("2xt4", "800m"): (4, 4, 1024, True),
     ("h100", "tiny"): (32, 1, 512, False), ("h100", "85m"): (32, 1, 1024, False),
     ("h100", "400m"): (32, 1, 1024, False), ("h100", "800m"): (16, 2, 1024, False),
     ("mac8", "tiny"): (16, 2, 512, False), ("mac8", "85m"): (2, 16, 1024, False),
@@ -117,7 +120,7 @@ def test_pretrain_recommendation(machine, size):
 
 QLORA_EXPECTED = {  # machine -> (batch_size, grad_accum, max_seq_len, gradient_checkpointing, precision)
     "t4": (8, 2, 1024, True, "fp16"),  # predicted 12.3 of 13.1 GiB usable
-    "2xt4": (8, 2, 1024, True, "fp16"),
+    "2xt4": (8, 1, 1024, True, "fp16"),  # x 2 processes
     "h100": (4, 4, 1024, False, "bf16"),  # 48.5 of 70.8 GiB: micro-batch 8 would not fit without checkpointing
     "mac8": None,  # MLX 4-bit weights + adapters already need 5.2 GiB, Metal allows 4.9 here
     "mac16": (4, 4, 1024, True, "bf16"),
@@ -141,15 +144,29 @@ def test_mistral_7b_qlora_recommendation(machine):
         assert rec.estimate.quant == "mlx4"
 
 
-def test_t4_gets_fp16_and_two_t4s_train_on_one():
+def test_t4_gets_fp16_and_two_t4s_train_on_both():
     rec = recommend(MACHINES["2xt4"], pretrain_request("85m"), Architecture.from_preset(PRESETS["85m"], VOCAB))
     assert rec.settings.precision == "fp16"
     assert any("no native bf16" in r for r in rec.reasons)
-    assert any("2 GPUs found" in r for r in rec.reasons)
+    assert rec.settings.num_processes == "2" and not rec.settings.fsdp
+    assert any("2 GPUs: --num-processes 2, one data-parallel process on each" in r for r in rec.reasons)
+    config = rec.config_file()
+    assert config["num_processes"] == "2"  # `ptbr train --config` starts both
     # asking for bf16 on a T4 is corrected, with the reason
     asked = dataclasses.replace(pretrain_request("85m"), precision="bf16")
     rec = recommend(MACHINES["t4"], asked, Architecture.from_preset(PRESETS["85m"], VOCAB))
     assert rec.settings.precision == "fp16" and any("instead of bf16" in r for r in rec.reasons)
+
+
+def test_a_model_whose_training_state_does_not_fit_one_gpu_is_sharded_over_two():
+    """800m: 16 bytes per parameter of weights and AdamW are 11.7 GiB; on two 12 GB GPUs, DDP
+    cannot even start, FSDP shares that state between them."""
+    gpu = dataclasses.replace(T4, memory_free=12 * 10**9)
+    rec = recommend(linux([gpu, gpu]), pretrain_request("800m"), Architecture.from_preset(PRESETS["800m"], VOCAB))
+    assert rec.fits and rec.settings.fsdp and rec.settings.num_processes == "2"
+    assert any("FSDP (--fsdp)" in r for r in rec.reasons)
+    one = recommend(linux([gpu]), pretrain_request("800m"), Architecture.from_preset(PRESETS["800m"], VOCAB))
+    assert not one.fits and not one.settings.fsdp
 
 
 def test_sequence_is_shortened_only_when_one_sequence_does_not_fit():

@@ -17,6 +17,47 @@ def settings_from_args(cls: type, args: argparse.Namespace):
     return build_settings(cls, file_values, overrides, source=args.config or "flags")
 
 
+def processes_to_launch(settings) -> int:
+    """How many workers `--num-processes` asks ptbr to start; 1: run in this process. Inside a
+    worker (torchrun, `accelerate launch`, or ptbr's own launch) the launcher has already decided."""
+    import os
+
+    from ptbr.backends import resolve_name
+
+    inside = os.environ.get("WORLD_SIZE")
+    if inside:
+        if settings.num_processes not in ("auto", "1", inside):
+            raise ConfigError(f"--num-processes {settings.num_processes} in a run of {inside} processes", "--num-processes",
+                              "let the launcher (torchrun / accelerate launch) decide, or leave --num-processes out")
+        return 1
+    if settings.num_processes == "1":
+        return 1
+    if resolve_name(settings.backend) != "torch":
+        raise ConfigError("data parallelism (--num-processes) runs on the torch backend", "--num-processes",
+                          "use --backend torch, or one process")
+    if settings.num_processes == "auto":
+        from ptbr.backends.torch.distributed import visible_gpus
+
+        return max(1, visible_gpus())
+    return int(settings.num_processes)
+
+
+def run_or_launch(settings, args: argparse.Namespace, run) -> int:
+    """run(settings) here, or in `--num-processes` workers started by torchrun's launcher."""
+    processes = processes_to_launch(settings)
+    if processes == 1:
+        run(settings)
+        return 0
+    from pathlib import Path
+
+    from ptbr.backends.torch.distributed import launch
+    from ptbr.log import log
+
+    logs = Path(settings.output) / "workers"
+    log(f"starting {processes} data-parallel processes (rank 0 reports here; the others log to {logs})")
+    return launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
+
+
 def check_preset_request(command: str, model_size: str, seq_len: int, **sizes: int) -> None:
     """For commands that build or size a preset without a full settings object (info, test-gpu):
     every bad value at once, as exit 2, before anything is built."""

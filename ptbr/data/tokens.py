@@ -232,13 +232,18 @@ def read_windows(tokens: np.memmap, path: Path, starts: np.ndarray, seq_len: int
 
 
 class PretrainBatches:
-    """The micro-batches of each optimizer step: batch_size * grad_accum windows drawn together
-    for that step, then split. A batch of 8 x grad_accum 1 and 2 x grad_accum 4 therefore see the
-    same sequences, and the step's batches are a pure function of (seed, step)."""
+    """The micro-batches of each optimizer step: batch_size * grad_accum * world windows drawn
+    together for that step, then split. A batch of 8 x grad_accum 1 and 2 x grad_accum 4 therefore
+    see the same sequences, and the step's batches are a pure function of (seed, step).
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, grad_accum: int, seq_len: int, seed: int):
-        self.batch_size, self.grad_accum = batch_size, grad_accum
-        self.windows = RandomWindows(dataset.train, dataset.train_path, batch_size * grad_accum, seq_len,
+    In a data-parallel run of `world` processes, each global micro-batch of batch_size * world
+    windows is cut into one slice per rank: 2 processes x batch 2 train on exactly the windows of
+    1 process x batch 4."""
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, grad_accum: int, seq_len: int, seed: int,
+                 rank: int = 0, world: int = 1):
+        self.batch_size, self.grad_accum, self.rank, self.world = batch_size, grad_accum, rank, world
+        self.windows = RandomWindows(dataset.train, dataset.train_path, batch_size * grad_accum * world, seq_len,
                                      dataset.vocab_size, seed)
 
     def describe(self, step: int) -> str:
@@ -248,5 +253,8 @@ class PretrainBatches:
         return f"{self.windows.path} at token offsets [{shown}] (seq_len {self.windows.seq_len})"
 
     def cycle(self, step: int) -> list[Batch]:
-        windows = self.windows.batch(step)  # (batch_size * grad_accum, seq_len + 1)
-        return [windows_to_batch(windows[i:i + self.batch_size]) for i in range(0, len(windows), self.batch_size)]
+        windows = self.windows.batch(step)  # (batch_size * grad_accum * world, seq_len + 1)
+        micro = self.batch_size * self.world  # one global micro-batch; this rank's slice of each
+        first = self.rank * self.batch_size
+        return [windows_to_batch(windows[i + first:i + first + self.batch_size])
+                for i in range(0, len(windows), micro)]

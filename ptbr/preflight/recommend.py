@@ -31,9 +31,9 @@ SHORTEST_SEQ = 64
 # What recommended_config.json always holds (with the settings the user gave)
 RECOMMENDED_KEYS = {
     "pretrain": ("output", "model_size", "batch_size", "grad_accum", "seq_len", "learning_rate", "precision",
-                 "gradient_checkpointing", "max_steps"),
+                 "gradient_checkpointing", "max_steps", "num_processes", "fsdp"),
     "finetune": ("output", "base", "data", "quant", "lora_r", "batch_size", "grad_accum", "max_seq_len",
-                 "learning_rate", "precision", "gradient_checkpointing", "epochs", "max_steps"),
+                 "learning_rate", "precision", "gradient_checkpointing", "epochs", "max_steps", "num_processes"),
 }
 
 
@@ -107,10 +107,7 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:
         gpu = hardware.gpus[0]
         budget = int(USABLE_FRACTION["cuda"] * gpu.memory_free)
         reasons.append(f"GPU 0 {gpu.name}: {gib(gpu.memory_free)} of {gib(gpu.memory_total)} free, "
-                       f"planning for {gib(budget)} ({USABLE_FRACTION['cuda']:.0%})")
-        if len(hardware.gpus) > 1:
-            reasons.append(f"{len(hardware.gpus)} GPUs found: a run trains on one, GPU 0; start a second run "
-                           "on another with CUDA_VISIBLE_DEVICES=1")
+                       f"planning for {gib(budget)} ({USABLE_FRACTION['cuda']:.0%}) on each GPU the run uses")
         return budget
     fraction = USABLE_FRACTION.get(target, USABLE_FRACTION["cpu"])
     budget = int(fraction * hardware.ram_available)
@@ -141,7 +138,12 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
     target = choose_target(hardware, mode, requested.device)
     precision = choose_precision(hardware, target, requested.precision, reasons)
     budget = memory_budget(hardware, target, reasons)
-    effective = requested.batch_size * requested.grad_accum
+    processes = plan_processes(hardware, target, requested, reasons)
+    effective = requested.batch_size * requested.grad_accum * requested_processes(hardware, target, requested)
+    if effective % processes:
+        processes = max(d for d in range(1, processes + 1) if effective % d == 0)
+        reasons.append(f"{processes} processes: the effective batch {effective} must split evenly among them")
+    share = effective // processes  # sequences per process per step
     wants_checkpointing = requested.gradient_checkpointing
     cap = getattr(requested, key)
     if max_positions and cap > max_positions:
@@ -152,18 +154,29 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
         planned = longest
         reasons.append(f"memory planned for the longest example, {longest} tokens ({key} {cap} is only a cap)")
 
+    sharding = {"fsdp": requested.fsdp if processes > 1 else False}
+
     def estimate(batch: int, length: int, checkpointing: bool) -> MemoryEstimate:
-        return estimate_run(requested, arch, target, batch, length, precision, checkpointing)
+        return estimate_run(dataclasses.replace(requested, **sharding), arch, target, batch, length, precision,
+                            checkpointing, processes)
 
     def largest(length: int, checkpointing: bool) -> int | None:
-        return next((b for b in _divisors_descending(effective) if estimate(b, length, checkpointing).total <= budget),
+        return next((b for b in _divisors_descending(share) if estimate(b, length, checkpointing).total <= budget),
                     None)
+
+    # a pretraining model whose AdamW state does not fit one GPU even at micro-batch 1 with
+    # checkpointing is sharded among the processes (FSDP) before anything shorter is tried
+    if (processes > 1 and mode == "pretrain" and not sharding["fsdp"]
+            and estimate(1, planned, True).total > budget):
+        sharding["fsdp"] = True
+        reasons.append(f"FSDP (--fsdp): the training state does not fit one GPU; shared among {processes} GPUs "
+                       "it does")
 
     # the longest sequence first; shorter (halved) only when not even one sequence fits
     choice, length = None, planned
     while choice is None and length >= min(SHORTEST_SEQ, planned):
         plain = None if wants_checkpointing else largest(length, False)
-        if plain is not None and plain * length >= min(effective * length, BUSY_TOKENS.get(target, 1)):
+        if plain is not None and plain * length >= min(share * length, BUSY_TOKENS.get(target, 1)):
             choice = (plain, length, False)
             break
         with_checkpointing = largest(length, True)
@@ -181,16 +194,19 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
 
     chosen = estimate(batch, length, checkpointing)
     asked = estimate(requested.batch_size, planned, wants_checkpointing)
-    settings = dataclasses.replace(requested, batch_size=batch, grad_accum=effective // batch,
+    settings = dataclasses.replace(requested, batch_size=batch, grad_accum=share // batch,
                                    precision=precision, gradient_checkpointing=checkpointing,
+                                   num_processes=str(processes), **sharding,
                                    **{key: length if length < planned else cap})
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     if not fits_at_all:
         reasons.append(f"does not fit: micro-batch 1 of {length} tokens with gradient checkpointing needs "
                        f"{gib(chosen.total)}, {gib(budget)} usable")
     else:
-        reasons.append(f"micro-batch {batch} x grad_accum {effective // batch} keeps the requested effective batch "
-                       f"of {effective} sequences; predicted peak {gib(chosen.total)} of {gib(budget)} usable")
+        per = f" x {processes} processes" if processes > 1 else ""
+        reasons.append(f"micro-batch {batch} x grad_accum {share // batch}{per} keeps the requested effective batch "
+                       f"of {effective} sequences; predicted peak {gib(chosen.total)} of {gib(budget)} usable"
+                       f"{' per GPU' if processes > 1 else ''}")
         if length < planned:
             reasons.append(f"{key} lowered from {planned} to {length}: one sequence of {planned} tokens does not fit "
                            "even with gradient checkpointing")
@@ -205,6 +221,22 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
     if target == "cpu" and mode == "pretrain" and arch.parameters > 50_000_000:
         reasons.append("training on the CPU: expect hours per thousand steps; a GPU is 10-100x faster")
     return Recommendation(settings, fits_at_all, target, budget, chosen, asked, reasons, planned)
+
+
+def requested_processes(hardware: Hardware, target: str, requested: LoopSettings) -> int:
+    if requested.num_processes == "auto":
+        return max(1, len(hardware.gpus)) if target == "cuda" else 1
+    return int(requested.num_processes)
+
+
+def plan_processes(hardware: Hardware, target: str, requested: LoopSettings, reasons: list[str]) -> int:
+    """Data-parallel processes: one per GPU, on every GPU there is (Kaggle's 2x T4: both)."""
+    gpus = len(hardware.gpus) if target == "cuda" else 0
+    if gpus <= 1:
+        return 1
+    reasons.append(f"{gpus} GPUs: --num-processes {gpus}, one data-parallel process on each "
+                   f"({', '.join(sorted({g.name for g in hardware.gpus}))})")
+    return gpus
 
 
 def _divisors_descending(n: int) -> list[int]:

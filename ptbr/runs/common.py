@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
 from ptbr.errors import ConfigError, DeviceError, ModelError, OutputError, PtbrError, error_line
 from ptbr.files import first_line, remove_leftovers, write_json
@@ -49,27 +50,38 @@ def create_run_dir(output: str) -> Path:
 
 
 @contextmanager
-def open_run(settings) -> Iterator[Path]:
+def open_run(settings, world: World | None = None) -> Iterator[Path]:
     """The run directory, created, locked against a second run, and logged to train.log while the
     `with` block runs; the line of an error that ends the run goes to train.log too. With
-    --resume never, the previous run's files are moved aside first."""
-    run_dir = create_run_dir(settings.output)
-    with RunLock(run_dir):
+    --resume never, the previous run's files are moved aside first. In a data-parallel run the
+    main rank does all of this and the other ranks wait for it (and fail with it)."""
+    world = world or SingleProcess()
+    held: dict = {}
+
+    def open_on_main() -> str:
+        run_dir = create_run_dir(settings.output)
+        held["lock"] = RunLock(run_dir).acquire()
         remove_leftovers(run_dir)  # writes cut short by a crash (we hold the lock)
         remove_leftovers(checkpoints_dir(run_dir))
-        handler = attach_run_log(run_dir)
-        try:
-            if settings.resume == "never":
-                moved = move_previous_run(run_dir)
-                if moved is not None:
-                    log(f"--resume never: starting over; the previous run's files were moved to {moved}")
-            yield run_dir
-        except BaseException as exc:
-            if not isinstance(exc, SystemExit):
-                to_file_only(handler, error_line(exc, "crash_report.txt in this directory"))
-            raise
-        finally:
-            detach(handler)
+        held["log"] = attach_run_log(run_dir)
+        if settings.resume == "never":
+            moved = move_previous_run(run_dir)
+            if moved is not None:
+                log(f"--resume never: starting over; the previous run's files were moved to {moved}")
+        return str(run_dir)
+
+    try:
+        run_dir = Path(world.decide(open_on_main))
+        yield run_dir
+    except BaseException as exc:
+        if "log" in held and not isinstance(exc, SystemExit):
+            to_file_only(held["log"], error_line(exc, "crash_report.txt in this directory"))
+        raise
+    finally:
+        if "log" in held:
+            detach(held["log"])
+        if "lock" in held:
+            held["lock"].release()
 
 
 @contextmanager
@@ -123,10 +135,16 @@ class Resume:
     schedule: Schedule | None = None
 
 
-def find_resume(run_dir: Path, settings, identity: dict) -> Resume:
+def find_resume(run_dir: Path, settings, identity: dict, world: World | None = None) -> Resume:
     """The checkpoint to continue from, per --resume auto|never|PATH, checked against the run
     (`identity`, `settings`) before any model is built. Raises ConfigError for a checkpoint of
-    another run or past --max-steps, ModelError for a named checkpoint that is missing or corrupt."""
+    another run or past --max-steps, ModelError for a named checkpoint that is missing or corrupt.
+    In a data-parallel run the main rank decides (it may move files aside) and every rank gets
+    the same answer."""
+    return (world or SingleProcess()).decide(lambda: _find_resume(run_dir, settings, identity))
+
+
+def _find_resume(run_dir: Path, settings, identity: dict) -> Resume:
     if settings.resume == "never":
         return Resume()  # open_run moved the previous run aside
     if settings.resume == "auto":
@@ -265,12 +283,37 @@ def start_state(step: TrainingStep, resume: Resume) -> LoopState:
 # --------------------------------------------------------------------------------------------
 
 
+def effective_batch(settings, world: World) -> int:
+    """Sequences (or examples) per optimizer step: micro-batch x accumulation x processes."""
+    return settings.batch_size * settings.grad_accum * world.size
+
+
+def describe_placement(backend, settings) -> str:
+    world = backend.world
+    line = f"backend {backend.name}, device {backend.device}, precision {backend.precision} ({backend.reason})"
+    if world.size > 1:
+        line += (f"; data parallel over {world.size} processes: batch {settings.batch_size} x grad_accum "
+                 f"{settings.grad_accum} x {world.size} processes = {effective_batch(settings, world)} per step")
+    return line
+
+
+def refuse_auto_fit_in_parallel(settings, world: World) -> None:
+    if settings.auto_fit and world.size > 1:
+        raise ConfigError("--auto-fit runs in one process, not in a data-parallel run", "--auto-fit",
+                          "find the micro-batch with `ptbr preflight` (or --auto-fit in one process), then launch "
+                          "the parallel run with it")
+
+
 def write_run_config(run_dir: Path, command: str, settings, backend, resume: Resume, extra: dict) -> None:
+    """run_config.json (written by the main rank)."""
+    if not backend.world.is_main:
+        return
     write_json(run_dir / "run_config.json", {
         "command": command,
         "settings": dataclasses.asdict(settings),
         **extra,
         "backend": backend.name, "device": backend.device, "precision": backend.precision,
+        "processes": backend.world.size, "effective_batch": effective_batch(settings, backend.world),
         "versions": backend.versions(),
         "resumed_from": str(resume.checkpoint) if resume.checkpoint else None,
     }, "run_config.json")

@@ -28,9 +28,14 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f"step_{step:06d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_last: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_last: int = 0,
+                    write: bool = True) -> Path:
     """Write a complete checkpoint atomically (the training step's state files plus
-    trainer_state.json with `record`); on failure the previous ones are untouched."""
+    trainer_state.json with `record`); on failure the previous ones are untouched. In a
+    data-parallel run every rank calls it (the states may be gathered) and one rank writes."""
+    if not write:
+        training_step.save_state(None)
+        return checkpoint_path(run_dir, step)
 
     def fill(directory: Path) -> None:
         training_step.save_state(directory)

@@ -50,6 +50,10 @@ WHEEL_DATE_EPOCH = "315532800"
 # Every image runs CPython 3.11 on glibc 2.36 (Debian bookworm), x86_64.
 IMAGE_PYTHON = "3.11"
 IMAGE_GLIBC_MINOR = 36
+# Kaggle's image runs CPython 3.12 on Ubuntu (glibc 2.35 today); wheels up to manylinux_2_28 keep a
+# margin for an older base image.
+KAGGLE_PYTHON = "3.12"
+KAGGLE_GLIBC_MINOR = 28
 
 UV_VERSION = "0.13.9"
 TORCH_VERSION = "2.13.0"
@@ -80,6 +84,8 @@ class Lock:
     constrained_by: str | None = None
     # Environment that pyproject.toml's markers are evaluated in (tests/test_locks.py uses it).
     markers: dict[str, str] = field(default_factory=dict)
+    # The CPython version the lock is resolved for.
+    python: str = IMAGE_PYTHON
 
     @property
     def path(self) -> Path:
@@ -126,6 +132,17 @@ LOCKS = {
             python_platform="aarch64-apple-darwin",
             markers=DARWIN_ARM64,
         ),
+        Lock(
+            name="kaggle",
+            purpose="Kaggle kernels (Linux x86_64, CPython 3.12): the versions the CUDA image ships; "
+                    "a bundle leaves out torch and what only torch needs, which Kaggle's image has",
+            extras=("finetune",),
+            torch=f"torch=={TORCH_VERSION}",
+            python_platform=f"x86_64-manylinux_2_{KAGGLE_GLIBC_MINOR}",
+            constrained_by="cuda",
+            markers=LINUX_X86_64,
+            python=KAGGLE_PYTHON,
+        ),
     ]
 }
 IMAGE_LOCKS = ("cpu", "cuda")
@@ -162,14 +179,53 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
+
+
 def lock_pins(lock_file: Path) -> dict[str, str]:
     """{canonical name: version} for every `name==version` line of a lock file."""
-    pins = {}
+    return {name: entry.version for name, entry in lock_entries(lock_file).items()}
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    """One pin of a lock file: its version, the sha256 of each file it may be, and what asked for it
+    (uv's `# via` lines: package names, or `ptbr (pyproject.toml)`)."""
+
+    version: str
+    hashes: tuple[str, ...]
+    via: tuple[str, ...]
+    text: str  # the entry's lines, as a requirements file takes them
+
+
+def lock_entries(lock_file: Path) -> dict[str, LockEntry]:
+    """{canonical name: LockEntry} for every pin of a lock file."""
+    entries: dict[str, LockEntry] = {}
+    current: str | None = None
+    version, hashes, via, lines = "", [], [], []
+
+    def close() -> None:
+        if current:
+            entries[current] = LockEntry(version, tuple(hashes), tuple(via), "\n".join(lines) + "\n")
+
     for line in lock_file.read_text().splitlines():
-        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)", line)
-        if match:
-            pins[canonical(match.group(1))] = match.group(2)
-    return pins
+        pin = PIN.match(line)
+        if pin:
+            close()
+            current, version, hashes, via, lines = canonical(pin.group(1)), pin.group(2), [], [], [line]
+        elif current and line.startswith(" "):
+            lines.append(line)
+            digest = re.search(r"--hash=sha256:([0-9a-f]{64})", line)
+            asked = re.match(r"^\s+#\s+(?:via\s+)?(\S.*)$", line)
+            if digest:
+                hashes.append(digest.group(1))
+            elif asked and asked.group(1) != "via":
+                via.append(asked.group(1).strip())
+        elif line.strip():
+            close()
+            current = None
+    close()
+    return entries
 
 
 def project_version() -> str:
@@ -240,7 +296,7 @@ def compile_lock(lock: Lock, uv: str) -> None:
             uv, "pip", "compile", "pyproject.toml", str(pins),
             *[arg for extra in lock.extras for arg in ("--extra", extra)],
             "--generate-hashes",
-            "--python-version", IMAGE_PYTHON,
+            "--python-version", lock.python,
             "--python-platform", lock.python_platform,
             "--custom-compile-command", "nox -s locks",
             "--no-strip-extras",
@@ -293,22 +349,9 @@ def fill_wheelhouse(variant: str) -> Path:
     """
     lock = LOCKS[variant].path
     wheels = context_dir(variant) / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    platforms = [f"manylinux_2_{minor}_x86_64" for minor in range(IMAGE_GLIBC_MINOR, 4, -1)]
-    platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
-    cmd = [
-        sys.executable, "-m", "pip", "download",
-        "--disable-pip-version-check", "--progress-bar", "off",
-        "--require-hashes", "--no-deps", "--only-binary=:all:",
-        "--implementation", "cp", "--python-version", IMAGE_PYTHON,
-        *[a for abi in ("cp311", "abi3", "none") for a in ("--abi", abi)],
-        *[a for platform in platforms for a in ("--platform", platform)],
-        "-r", str(lock), "-d", str(wheels),
-    ]
-    if variant == "cpu" and not local_torch_cpu_dirs():
-        cmd += ["--extra-index-url", TORCH_CPU_INDEX]
+    extra = ["--extra-index-url", TORCH_CPU_INDEX] if variant == "cpu" and not local_torch_cpu_dirs() else []
     started = time.monotonic()
-    run(cmd)
+    download_wheels(lock, wheels, IMAGE_PYTHON, IMAGE_GLIBC_MINOR, extra)
     # Wheels of versions no longer locked would only bloat the context.
     pins = lock_pins(lock)
     for wheel in wheels.glob("*.whl"):
@@ -319,6 +362,31 @@ def fill_wheelhouse(variant: str) -> Path:
     size = sum(w.stat().st_size for w in wheels.glob("*.whl"))
     log(f"wheelhouse: {len(pins)} wheels, {size / 1e6:.0f} MB ({time.monotonic() - started:.0f} s)")
     return wheels
+
+
+def download_wheels(requirements: Path, wheels: Path, python: str, glibc_minor: int,
+                    pip_options: list[str] | tuple[str, ...] = ()) -> None:
+    """`pip download` every pin of a hash-locked requirements file, as wheels only, for CPython
+    `python` on Linux x86_64 with glibc 2.`glibc_minor`, into `wheels` (what is there already and
+    matches a hash is kept).
+
+    Every manylinux tag that glibc accepts is offered: with manylinux2014 alone pip silently takes an
+    older release whose wheel carries that tag (bitsandbytes 0.42, pure Python, for 0.50 tagged
+    manylinux_2_24), and --require-hashes with exact pins makes any such fallback an error.
+    """
+    wheels.mkdir(parents=True, exist_ok=True)
+    platforms = [f"manylinux_2_{minor}_x86_64" for minor in range(glibc_minor, 4, -1)]
+    platforms += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+    abi = "cp" + python.replace(".", "")
+    run([
+        sys.executable, "-m", "pip", "download",
+        "--disable-pip-version-check", "--progress-bar", "off",
+        "--require-hashes", "--no-deps", "--only-binary=:all:",
+        "--implementation", "cp", "--python-version", python,
+        *[a for tag in (abi, "abi3", "none") for a in ("--abi", tag)],
+        *[a for platform in platforms for a in ("--platform", platform)],
+        "-r", str(requirements), "-d", str(wheels), *pip_options,
+    ])
 
 
 def checkout_files() -> list[Path]:
@@ -340,8 +408,13 @@ def checkout_files() -> list[Path]:
 
 
 def build_checkout_wheel(variant: str) -> Path:
-    """The checkout as a wheel, built from a copy so that no build/ or *.egg-info lands in it."""
-    dist = context_dir(variant) / "dist"
+    """The checkout as a wheel, in the image's build context."""
+    return build_wheel(context_dir(variant) / "dist")
+
+
+def build_wheel(dist: Path) -> Path:
+    """The checkout as a wheel in `dist` (emptied first), built from a copy so that no build/ or
+    *.egg-info lands in it, with fixed timestamps."""
     shutil.rmtree(dist, ignore_errors=True)
     dist.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,9 +17,11 @@ import traceback
 import warnings
 
 from ptbr import __version__
-from ptbr.config import DEFAULT_VOCAB_SIZE, DEVICES, PRESETS, FinetuneConfig, PretrainConfig
+from ptbr.config import DEFAULT_VOCAB_SIZE, DEVICES, MODES, PRESETS, FinetuneConfig, PretrainConfig
 from ptbr.errors import EXIT_CODES
 from ptbr.flags import add_preflight_flags, add_settings_flags, setting_default
+from ptbr.kaggle.bundle import BundleSettings
+from ptbr.kaggle.layout import POLL_SECONDS
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
 # 128 + SIGPIPE: the status a shell shows for git or ls when `| head` stops reading
@@ -38,6 +40,7 @@ COMMANDS = {
     "validate-data": ("ptbr.commands.validate_data:main", "check chat/instruction JSONL, every problem with its line"),
     "merge": ("ptbr.commands.merge:main", "merge a LoRA adapter into its base: a full model that loads without peft"),
     "preflight": ("ptbr.commands.preflight:main", "check hardware, packages, data, model and disk; recommend a config that fits"),
+    "kaggle": ("ptbr.commands.kaggle:main", "train on Kaggle's free GPUs: bundle a run, push it, follow it, fetch its outputs"),
 }
 
 
@@ -139,7 +142,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("preflight")
     add_preflight_flags(p)
+
+    add_kaggle_actions(command("kaggle"), common)
     return parser
+
+
+def add_kaggle_actions(parser: argparse.ArgumentParser, common: argparse.ArgumentParser) -> None:
+    """`ptbr kaggle bundle|push|status|output` (the kaggle package is imported only when one runs)."""
+    actions = parser.add_subparsers(dest="kaggle_action", metavar="ACTION", required=True)
+
+    def action(name: str, text: str) -> argparse.ArgumentParser:
+        return actions.add_parser(name, help=text, description=text, parents=[common])
+
+    def default(name: str):
+        return setting_default(BundleSettings, name)
+
+    p = action("bundle", "write a bundle: a dataset (ptbr, its wheels, data, settings) and a GPU kernel, internet off")
+    p.add_argument("--output", required=True, metavar="BUNDLE", help="folder to write (a previous bundle there is replaced)")
+    p.add_argument("--owner", required=True, help="your Kaggle username: the dataset and the kernel are OWNER/SLUG")
+    p.add_argument("--slug", required=True, help="id of the dataset and the kernel: 6-50 lowercase letters, digits, hyphens")
+    p.add_argument("--mode", choices=tuple(MODES), default=default("mode"),
+                   help=f"pretrain (ptbr train) or finetune (ptbr finetune) (default: {default('mode')})")
+    p.add_argument("--data", help="pretrain: a dataset directory from `ptbr prepare` (without one, the PT-BR sample in "
+                   "ptbr); finetune: train.jsonl, or a directory with train.jsonl and valid.jsonl")
+    p.add_argument("--config", help="the run's settings, as `ptbr train/finetune --config` takes them (JSON or YAML); "
+                   "its data and base paths count unless --data or --base is given")
+    p.add_argument("--base", help="finetune: a local model directory (uploaded with the bundle), or "
+                   "kaggle:OWNER/MODEL/FRAMEWORK/VARIATION[/VERSION], a model hosted on Kaggle (attached)")
+    p.add_argument("--title", help="title of the dataset and the kernel, 6-50 characters (default: the slug)")
+    p.add_argument("--python-version", default=default("python_version"),
+                   help=f"the Python of Kaggle's image, which the wheels are for (default: {default('python_version')})")
+    p.add_argument("--resume-from-previous", action="store_true",
+                   help="attach the kernel's previous output: the run continues from its newest checkpoint")
+    p.add_argument("--stop-after-hours", type=float, default=default("stop_after_hours"),
+                   help="the kernel stops training (a checkpoint saved) this long after it starts, before Kaggle "
+                   f"ends a GPU session at 12 h (default: {default('stop_after_hours')})")
+
+    p = action("push", "upload the bundle's dataset (new, or a new version), check every file arrived, push the kernel")
+    p.add_argument("bundle", metavar="BUNDLE", help="the folder `ptbr kaggle bundle` wrote")
+    p.add_argument("--kernel-only", action="store_true",
+                   help="push the kernel alone; the dataset on Kaggle must already hold this bundle (it is checked)")
+    p.add_argument("--poll-seconds", type=float, default=POLL_SECONDS,
+                   help=f"how often to ask whether the dataset is ready (default: {POLL_SECONDS:g})")
+
+    p = action("status", "the kernel's state: queued, running, complete, error (exit 11), cancelled (exit 11)")
+    p.add_argument("bundle", metavar="BUNDLE", help="the folder `ptbr kaggle bundle` wrote")
+    p.add_argument("--wait", action="store_true", help="ask again until the kernel has ended")
+    p.add_argument("--poll-seconds", type=float, default=POLL_SECONDS, help=f"how often to ask with --wait (default: {POLL_SECONDS:g})")
+
+    p = action("output", "download the kernel's outputs: the run directory, preflight report, the log")
+    p.add_argument("bundle", metavar="BUNDLE", help="the folder `ptbr kaggle bundle` wrote")
+    p.add_argument("--path", required=True, help="folder to download into (a previous download there is replaced)")
+    p.add_argument("--pattern", help="only outputs whose path matches this regular expression, e.g. 'run/final/'")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,8 @@ EXIT_CODES: dict[int, str] = {
     8: "hang: no progress within --hang-timeout (see hang_report.txt)",
     9: "`ptbr smoke` failed",
     10: "`ptbr preflight` found a failed check (see preflight_report.json)",
+    11: "Kaggle: a request to Kaggle failed or was refused, an upload did not arrive, the kernel failed, or a "
+        "bundle's wheels could not be downloaded",
     130: "stopped by SIGTERM/SIGINT: a run that had started training saved a checkpoint first (run the same "
          "command to resume); anything else stopped without saving",
     141: "the reader of ptbr's output went away (e.g. `ptbr info | head -1`)",
@@ -102,6 +104,14 @@ class PreflightFailed(PtbrError):
     """`ptbr preflight` found at least one failed check (details in preflight_report.json)."""
 
     exit_code = 10
+
+
+class KaggleError(PtbrError):
+    """Kaggle's side of `ptbr kaggle`: the API refused or failed a request, files sent did not all
+    arrive, the kernel ended in error, or pip could not download a bundle's wheels. (Missing or
+    refused credentials are bad settings, exit 2: the fix is on this machine.)"""
+
+    exit_code = 11
 
 
 class Interrupted(PtbrError):

@@ -1,0 +1,416 @@
+"""ptbr's Kaggle kernel: `ptbr kaggle bundle` copies this file to BUNDLE/kernel/ptbr_kernel.py and
+`ptbr kaggle push` sends it as the kernel's code. It runs in Kaggle's image with the internet off,
+standard library only (nothing of ptbr is installed when it starts).
+
+Every line it prints starts with `[ptbr-kernel]`; each stage says what it did, and a failed stage
+ends the kernel with `[ptbr-kernel] FAILED at stage NAME: WHY` and a non-zero exit, so a failed
+kernel's log names the stage:
+
+  environment  Python, platform, glibc, GPUs (nvidia-smi -L), Kaggle's run type.
+  bundle       the bundle dataset, found by its marker file ptbr-bundle.json anywhere under
+               /kaggle/input (older sessions mount a dataset at /kaggle/input/SLUG, newer ones at
+               /kaggle/input/datasets/OWNER/SLUG); every file's size checked, every wheel's sha256.
+  install      pip install --no-index --find-links BUNDLE/wheels ptbr: pip keeps what the image
+               already has in a version ptbr accepts (torch included) and installs the rest from
+               the bundle's wheels.
+  resume       a previous version of this kernel whose output is attached (kernel_sources) left
+               its run under /kaggle/input, read-only: its files are copied to /kaggle/working/run,
+               where `--resume auto` continues from its newest intact checkpoint.
+  preflight    ptbr preflight with the run's settings: preflight_report.json in the run directory.
+  train        ptbr train or ptbr finetune into /kaggle/working/run (both T4s: the settings say
+               num_processes auto). SIGTERM/SIGINT are passed on once: ptbr saves a checkpoint at
+               the next step boundary and exits 130. Before Kaggle's 12-hour limit the kernel asks
+               for that itself (the bundle's stop_after_s), so the checkpoint is not raced by the
+               end of the session.
+  outputs      /kaggle/working/ptbr-kaggle-run.json: what ran and how it ended (the next version
+               finds the run by this file).
+
+Every path is rooted at $KAGGLE_ROOT (default /kaggle), so the tests run this file on any machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+# OWNER/SLUG of the bundle this kernel runs; `ptbr kaggle bundle` writes it on this line. Empty:
+# whichever single bundle is attached.
+BUNDLE_ID = ""
+
+# These names are ptbr's (ptbr/kaggle/layout.py); tests/test_kaggle.py keeps the two in step.
+BUNDLE_MARKER = "ptbr-bundle.json"
+RUN_MARKER = "ptbr-kaggle-run.json"
+RUN_DIR = "run"
+# How deep under /kaggle/input a marker may lie: SLUG/marker, datasets/OWNER/SLUG/marker, and a
+# level or two more for layouts Kaggle may adopt.
+SEARCH_DEPTH = 5
+# What a previous run left that a new session must not take over.
+NOT_CARRIED = ("previous", ".ptbr.lock")
+EXIT_INTERRUPTED = 130  # ptbr's exit code after saving a checkpoint on SIGTERM/SIGINT
+PREFIX = "[ptbr-kernel]"
+
+
+def log(message: str) -> None:
+    print(f"{PREFIX} {message}", flush=True)
+
+
+class StageFailed(Exception):
+    """A stage could not do its part; the message says why and what to do."""
+
+
+def main() -> int:
+    root = Path(os.environ.get("KAGGLE_ROOT", "/kaggle"))
+    inputs, working = root / "input", root / "working"
+    started = time.monotonic()
+    record: dict = {"bundle": BUNDLE_ID or None, "stages": {}, "started": _now()}
+    stage = "environment"
+    code = 1
+    try:
+        log(f"{stage}: {describe_environment()}")
+        record["stages"][stage] = "ok"
+
+        stage = "bundle"
+        bundle, info = find_bundle(inputs, BUNDLE_ID)
+        record["bundle"] = info["id"]
+        folders = check_bundle(bundle, info, Path(tempfile.gettempdir()) / "ptbr-bundle")
+        log(f"{stage}: {info['id']} at {bundle} (ptbr {info['ptbr_version']}, {info['mode']}, "
+            f"{len(info['files'])} files checked)")
+        record["stages"][stage] = "ok"
+
+        stage = "install"
+        install(folders["wheels"], info)
+        record["stages"][stage] = "ok"
+
+        stage = "resume"
+        run_dir = working / RUN_DIR
+        record["resumed_from"] = restore_previous_run(inputs, info, run_dir, working)
+        record["stages"][stage] = "ok"
+
+        stage = "preflight"
+        base = find_base(inputs, info, folders, exclude=bundle)
+        paths = run_paths(bundle, info, folders, base, run_dir)
+        preflight = run_ptbr(["preflight", "--mode", info["mode"], *paths])
+        if preflight != 0:
+            raise StageFailed(f"ptbr preflight exited with {preflight} (see {run_dir / 'preflight_report.json'} "
+                              "and the lines above); fix the settings and bundle again")
+        record["stages"][stage] = "ok"
+
+        stage = "train"
+        command = "train" if info["mode"] == "pretrain" else "finetune"
+        budget = float(info["stop_after_s"]) - (time.monotonic() - started)
+        code, stopped_by_budget = train([command, *paths, "--resume", "auto"], budget)
+        record["train_exit_code"] = code
+        if code == 0:
+            log(f"{stage}: done; the run is in {run_dir}")
+        elif code == EXIT_INTERRUPTED and stopped_by_budget:
+            log(f"{stage}: stopped before Kaggle's session limit with a checkpoint saved; push again "
+                "(`ptbr kaggle push BUNDLE`, bundled with --resume-from-previous) to continue from it")
+            code = 0
+        elif code == EXIT_INTERRUPTED:
+            log(f"{stage}: stopped by a signal (the session ended?); the checkpoint saved before the stop is in "
+                f"{run_dir / 'checkpoints'}")
+        else:
+            raise StageFailed(f"ptbr {command} exited with {code} (its error line is above and in "
+                              f"{run_dir / 'train.log'})")
+        record["stages"][stage] = "ok" if code == 0 else "stopped"
+    except StageFailed as failure:
+        record["stages"][stage] = "failed"
+        record["failure"] = str(failure)
+        log(f"FAILED at stage {stage}: {failure}")
+        code = code if code not in (0, EXIT_INTERRUPTED) else 1
+    except Exception as exc:  # noqa: BLE001 - a kernel's log must name the stage whatever went wrong
+        record["stages"][stage] = "failed"
+        record["failure"] = f"{type(exc).__name__}: {exc}"
+        log(f"FAILED at stage {stage}: unexpected {type(exc).__name__}: {exc}")
+        code = 1
+    finally:
+        record.update(exit_code=code, ended=_now(), hours=round((time.monotonic() - started) / 3600, 3))
+        write_record(working, record)
+    return code
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# --- environment ---------------------------------------------------------------------------------
+
+
+def describe_environment() -> str:
+    glibc = " ".join(platform.libc_ver()) or "unknown"
+    parts = [f"Python {platform.python_version()} ({sys.executable})", f"{platform.system()} {platform.machine()}",
+             f"libc {glibc}", f"run type {os.environ.get('KAGGLE_KERNEL_RUN_TYPE', 'not on Kaggle')}"]
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        try:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+            gpus = [line.strip() for line in listed.stdout.splitlines() if line.startswith("GPU ")]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    parts.append(f"GPUs: {'; '.join(gpus) if gpus else 'none found'}")
+    return ", ".join(parts)
+
+
+# --- bundle ----------------------------------------------------------------------------------------
+
+
+def find_markers(top: Path, name: str, depth: int = SEARCH_DEPTH) -> list[Path]:
+    """Every file called `name` at most `depth` folders below `top` (not following links out)."""
+    found = []
+    if not top.is_dir():
+        return found
+    for folder, subfolders, files in os.walk(top):
+        level = len(Path(folder).relative_to(top).parts)
+        if name in files:
+            found.append(Path(folder) / name)
+        if level >= depth:
+            subfolders.clear()
+        subfolders.sort()
+    return found
+
+
+def find_bundle(inputs: Path, wanted: str) -> tuple[Path, dict]:
+    candidates = []
+    for marker in find_markers(inputs, BUNDLE_MARKER):
+        try:
+            info = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            log(f"bundle: skipping unreadable {marker}: {exc}")
+            continue
+        if not wanted or info.get("id") == wanted:
+            candidates.append((marker.parent, info))
+    if not candidates:
+        what = f"bundle {wanted}" if wanted else "ptbr bundle"
+        raise StageFailed(f"no {what} ({BUNDLE_MARKER}) under {inputs}: is the dataset attached "
+                          "(dataset_sources in kernel-metadata.json) and finished processing?")
+    if len(candidates) > 1:
+        places = ", ".join(str(folder) for folder, _ in candidates)
+        if wanted:
+            log(f"bundle: {wanted} is attached more than once ({places}); using the first")
+        else:
+            raise StageFailed(f"several ptbr bundles attached ({places}); attach one")
+    return candidates[0]
+
+
+def check_bundle(bundle: Path, info: dict, scratch: Path) -> dict[str, Path]:
+    """The bundle's folders (wheels, data, base), each as Kaggle mounted it or, where Kaggle kept a
+    folder as its .zip archive, unpacked into `scratch`; every listed file is checked."""
+    folders: dict[str, Path] = {}
+    for name in info["folders"]:
+        folder = bundle / name
+        if not folder.is_dir() and (bundle / f"{name}.zip").is_file():
+            folder = scratch / name
+            log(f"bundle: {name}/ arrived as {name}.zip: unpacking it to {folder}")
+            shutil.rmtree(folder, ignore_errors=True)
+            with zipfile.ZipFile(bundle / f"{name}.zip") as archive:
+                archive.extractall(folder)
+        folders[name] = folder
+    problems = []
+    for relative, expected in sorted(info["files"].items()):
+        top, _, rest = relative.partition("/")
+        path = folders[top] / rest if rest and top in folders else bundle / relative
+        if not path.is_file():
+            problems.append(f"{relative} is missing")
+        elif path.stat().st_size != expected["bytes"]:
+            problems.append(f"{relative} has {path.stat().st_size} bytes, not {expected['bytes']}")
+        elif relative.endswith(".whl") and sha256(path) != expected["sha256"]:
+            problems.append(f"{relative} does not match its sha256")
+    if problems:
+        raise StageFailed(f"the bundle at {bundle} is incomplete: {'; '.join(problems[:5])}"
+                          f"{f' (and {len(problems) - 5} more)' if len(problems) > 5 else ''}; "
+                          "push the bundle again (ptbr kaggle push checks what arrived)")
+    return folders
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --- install ---------------------------------------------------------------------------------------
+
+
+def install(wheels: Path, info: dict) -> None:
+    """pip from the bundle's wheels only. --isolated: no pip configuration or PIP_* variable of the
+    image can point pip at an index (there is no network) or change what it installs."""
+    requirement = f"{info['requirement']}=={info['ptbr_version']}"
+    command = [sys.executable, "-m", "pip", "--isolated", "install", "--no-index", "--find-links", str(wheels),
+               "--disable-pip-version-check", "--no-input", "--progress-bar", "off", requirement]
+    log(f"install: {' '.join(command)}")
+    code = subprocess.run(command).returncode
+    if code != 0:
+        raise StageFailed(f"pip exited with {code}: a dependency is missing from the bundle or does not fit "
+                          f"this image (Python {platform.python_version()}; the bundle was made for Python "
+                          f"{info['python']}): bundle again with --python-version {sys.version_info[0]}."
+                          f"{sys.version_info[1]}")
+    listed = subprocess.run([sys.executable, "-m", "pip", "--isolated", "list", "--format=freeze",
+                             "--disable-pip-version-check"], capture_output=True, text=True)
+    wanted = {name.lower() for name in info.get("log_versions", [])}
+    versions = [line for line in listed.stdout.split() if line.split("==")[0].lower() in wanted]
+    log(f"install: done; {', '.join(versions)}")
+
+
+# --- resume ------------------------------------------------------------------------------------------
+
+
+def restore_previous_run(inputs: Path, info: dict, run_dir: Path, working: Path) -> str | None:
+    """Copy the run a previous version of this kernel left (found by its RUN_MARKER under
+    /kaggle/input) into run_dir, which must be writable: /kaggle/input is read-only. Files are
+    copied without their permission bits, which may be read-only there."""
+    previous = []
+    for marker in find_markers(inputs, RUN_MARKER):
+        try:
+            record = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if record.get("bundle") == info["id"] and (marker.parent / RUN_DIR).is_dir():
+            previous.append(marker.parent / RUN_DIR)
+    if not previous:
+        if info.get("resume_from_previous"):
+            log("resume: no previous version's output is attached (the first version, or the last one left "
+                "none): starting a new run")
+        else:
+            log("resume: nothing to resume (bundled without --resume-from-previous)")
+        return None
+    source = previous[0]
+    if run_dir.exists() and any(run_dir.iterdir()):
+        log(f"resume: {run_dir} already holds a run: continuing it, not {source}")
+        return None
+    files = [p for p in sorted(source.rglob("*")) if p.is_file() and not _not_carried(p.relative_to(source))]
+    size = sum(p.stat().st_size for p in files)
+    free = shutil.disk_usage(working if working.exists() else working.parent).free
+    if size > free:
+        raise StageFailed(f"the previous run at {source} holds {size / 1e9:.1f} GB, more than the "
+                          f"{free / 1e9:.1f} GB free in {working}: bundle with a smaller keep_last")
+    for path in files:
+        target = run_dir / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    log(f"resume: copied the previous version's run from {source} to {run_dir} ({len(files)} files, "
+        f"{size / 1e9:.2f} GB); training continues from its newest intact checkpoint")
+    return str(source)
+
+
+def _not_carried(relative: Path) -> bool:
+    return relative.parts[0] in NOT_CARRIED or any(part.startswith((".tmp-", ".old-")) for part in relative.parts)
+
+
+# --- preflight and training --------------------------------------------------------------------------
+
+
+def find_base(inputs: Path, info: dict, folders: dict[str, Path], exclude: Path) -> Path | None:
+    """The base model of a fine-tuning run: the bundle's base/ folder, or the Kaggle model attached
+    through model_sources, found by its config.json under /kaggle/input (its mount point has changed
+    before: look for the model's path components rather than one layout). Neither the bundle
+    (`exclude`) nor a previous run's output (final/ and merged/ hold a config.json) is taken for it."""
+    base = info.get("base") or {}
+    if "folder" in base:
+        return folders[base["folder"]]
+    if "kaggle" not in base:
+        return None
+    owner, model, framework, variation, *version = base["kaggle"].split("/")
+    found = []
+    for config in find_markers(inputs, "config.json", depth=SEARCH_DEPTH + 2):
+        folder = config.parent
+        if folder.is_relative_to(exclude) or any((parent / RUN_MARKER).is_file() for parent in folder.parents):
+            continue
+        parts = [part.lower() for part in folder.relative_to(inputs).parts]
+        if model.lower() in parts and variation.lower() in parts:
+            found.append(folder)
+    if version:
+        found = [folder for folder in found if version[0] in folder.relative_to(inputs).parts] or found
+    if not found:
+        raise StageFailed(f"the Kaggle model {base['kaggle']} is not under {inputs} (no config.json in a folder "
+                          "named after it): is it in model_sources of kernel-metadata.json?")
+    found.sort(key=lambda folder: len(folder.parts))
+    if len(found) > 1:
+        log(f"preflight: several folders match the model {base['kaggle']}: {', '.join(map(str, found))}; "
+            f"using {found[0]}")
+    return found[0]
+
+
+def run_paths(bundle: Path, info: dict, folders: dict[str, Path], base: Path | None, run_dir: Path) -> list[str]:
+    """The flags that say where things are on this machine; every other setting is in the bundle's
+    settings file. Without a data folder, `ptbr train` takes the PT-BR sample inside ptbr."""
+    paths = ["--config", str(bundle / info["settings"]), "--output", str(run_dir)]
+    if "data" in folders:
+        paths += ["--data", str(folders["data"])]
+    if base is not None:
+        paths += ["--base", str(base)]
+    return paths
+
+
+def run_ptbr(args: list[str]) -> int:
+    command = [sys.executable, "-m", "ptbr", *args]
+    log(" ".join(command))
+    return subprocess.run(command).returncode
+
+
+def train(args: list[str], budget_s: float) -> tuple[int, bool]:
+    """Run `ptbr ARGS`; a SIGTERM/SIGINT to this kernel, or the time budget running out, is passed on
+    to it once. Returns its exit code and whether the budget stopped it."""
+    command = [sys.executable, "-m", "ptbr", *args]
+    log(" ".join(command))
+    # A session of its own: a signal Kaggle sends to the whole process group reaches ptbr once,
+    # through forward(), not twice (a second SIGINT would stop it without saving).
+    child = subprocess.Popen(command, start_new_session=True)
+    stop = threading.Event()
+    by_budget = threading.Event()
+
+    def forward(signum: int, _frame=None) -> None:
+        if not stop.is_set():
+            stop.set()
+            log(f"train: got {signal.Signals(signum).name}: asking ptbr to save a checkpoint and stop")
+            child.send_signal(signal.SIGTERM)
+
+    def out_of_time() -> None:
+        if not stop.is_set():
+            by_budget.set()
+            log(f"train: {budget_s / 3600:.2f} h budget used: asking ptbr to save a checkpoint and stop before "
+                "Kaggle ends the session")
+            forward(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    timer = threading.Timer(max(budget_s, 0.0), out_of_time)
+    timer.daemon = True
+    timer.start()
+    try:
+        code = child.wait()
+    finally:
+        timer.cancel()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code, by_budget.is_set()
+
+
+# --- outputs -------------------------------------------------------------------------------------------
+
+
+def write_record(working: Path, record: dict) -> None:
+    """The run marker, replaced whole (a session cut while writing leaves the previous one)."""
+    try:
+        working.mkdir(parents=True, exist_ok=True)
+        tmp = working / f".tmp-{RUN_MARKER}"
+        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, working / RUN_MARKER)
+        log(f"outputs: {working / RUN_MARKER}: {json.dumps(record['stages'])}, exit code {record['exit_code']}")
+    except OSError as exc:
+        log(f"outputs: cannot write {working / RUN_MARKER}: {exc}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

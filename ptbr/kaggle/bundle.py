@@ -1,0 +1,385 @@
+"""`ptbr kaggle bundle`: everything a Kaggle kernel needs to train with the internet off, in two
+folders that `ptbr kaggle push` uploads.
+
+BUNDLE/dataset/ (the private dataset OWNER/SLUG):
+  wheels/              the ptbr wheel built from this checkout and, from locks/kaggle.txt (the CUDA
+                       image's versions), every dependency it needs for Kaggle's Python, checked
+                       against the lock's hashes; torch and what only torch needs are left out
+                       (Kaggle's image has a CUDA build). On Kaggle pip installs only what the image
+                       lacks or has in a version ptbr does not accept.
+  data/                pretraining: the prepared dataset (train.bin, val.bin, meta.json,
+                       tokenizer.json); fine-tuning: train.jsonl and valid.jsonl. None: the PT-BR
+                       sample inside ptbr.
+  base/                fine-tuning with a local --base: the model's files. A model hosted on Kaggle
+                       (--base kaggle:OWNER/MODEL/FRAMEWORK/VARIATION[/VERSION]) is attached instead.
+  train-config.json    the run's settings (--config FILE, with paths left to the kernel, and
+                       num_processes auto, keep_last 2 where the file says nothing).
+  ptbr-bundle.json     the marker the kernel finds the bundle by: mode, versions, and every file
+                       with its size and sha256.
+  dataset-metadata.json
+BUNDLE/kernel/ (the kernel OWNER/SLUG): ptbr_kernel.py (kaggle/kernel.py) and kernel-metadata.json
+(a T4 GPU, internet off, the dataset attached; with --resume-from-previous the kernel's own
+previous output; the Kaggle model for a kaggle: base).
+
+No credential is read here: a bundle holds none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ptbr.config import MODES, build_settings, read_config_file
+from ptbr.errors import ConfigError, DataError, KaggleError, ModelError, OutputError, collect
+from ptbr.files import file_sha256, write_directory, write_json, write_text
+from ptbr.kaggle.checkout import checkout_root, load_build_script
+from ptbr.kaggle.layout import (
+    BASE,
+    BUNDLE_MARKER,
+    DATA,
+    DATASET,
+    DATASET_METADATA,
+    KAGGLE_MODEL,
+    KAGGLE_PYTHON,
+    KAGGLE_RUN_DEFAULTS,
+    KERNEL,
+    KERNEL_FILE,
+    KERNEL_METADATA,
+    SETTINGS_FILE,
+    STOP_AFTER_HOURS,
+    WHEELS,
+    id_problems,
+    is_bundle,
+    kernel_title,
+)
+from ptbr.log import log
+
+# Settings that name files on this machine: the kernel passes its own (--data, --base, --output).
+LOCAL_PATHS = ("data", "valid", "tokenizer", "base", "output", "resume")
+# What Kaggle's kernels can use: CUDA (or the CPU), through torch.
+KAGGLE_DEVICES = ("auto", "cuda", "cpu")
+KAGGLE_BACKENDS = ("auto", "torch")
+# Never bundled: Kaggle's image ships a CUDA build of torch, with the libraries only it needs.
+LEFT_TO_KAGGLE = "torch"
+# The platform pyproject's markers are read for: Kaggle's machines.
+KAGGLE_MARKERS = {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+                  "os_name": "posix", "implementation_name": "cpython"}
+
+
+@dataclass(frozen=True)
+class BundleSettings:
+    """What `ptbr kaggle bundle` makes (the CLI's flags; defaults live here)."""
+
+    output: str
+    owner: str
+    slug: str
+    mode: str = "pretrain"
+    data: str | None = None
+    config: str | None = None
+    base: str | None = None
+    title: str | None = None  # the dataset's and the kernel's title (default: the slug)
+    python_version: str = KAGGLE_PYTHON
+    resume_from_previous: bool = False
+    stop_after_hours: float = STOP_AFTER_HOURS
+
+    @property
+    def id(self) -> str:
+        return f"{self.owner}/{self.slug}"
+
+    def problems(self) -> list[str]:
+        found = id_problems(self.owner, self.slug, self.title or self.slug)
+        if self.mode not in MODES:
+            found.append(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not re.match(r"^3\.\d+$", self.python_version or ""):
+            found.append(f"--python-version must be a CPython version such as {KAGGLE_PYTHON}, got "
+                         f"{self.python_version!r}")
+        if not (isinstance(self.stop_after_hours, (int, float)) and math.isfinite(self.stop_after_hours)
+                and 0 < self.stop_after_hours <= 12):
+            found.append(f"--stop-after-hours must be within (0, 12] (Kaggle's GPU sessions end after 12 h), got "
+                         f"{self.stop_after_hours!r}")
+        if self.mode == "pretrain" and self.base:
+            found.append("--base is for --mode finetune")
+        return found
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What goes into the dataset besides the wheels, resolved and checked before anything is written."""
+
+    settings: dict  # train-config.json
+    files: dict[str, Path]  # path inside the dataset -> the file to copy
+    base: dict | None  # {"folder": "base"} or {"kaggle": "OWNER/MODEL/FRAMEWORK/VARIATION[/VERSION]"}
+
+
+def make_bundle(settings: BundleSettings) -> Path:
+    """Write the bundle at settings.output (replacing a previous bundle there, never anything else)."""
+    collect(settings.problems(), ConfigError, "ptbr kaggle bundle", "see `ptbr kaggle bundle --help`")
+    output = Path(settings.output)
+    if output.exists() and not is_bundle(output) and (not output.is_dir() or any(output.iterdir())):
+        raise OutputError("the output exists and is not a bundle: it would be replaced", str(output),
+                          "give a new folder (or a previous bundle's) with --output")
+    plan = plan_contents(settings)
+    root = checkout_root()
+    build = load_build_script(root)
+    with tempfile.TemporaryDirectory(prefix="ptbr-kaggle-") as tmp:
+        wheels = wheelhouse(build, settings, Path(tmp))
+
+        def fill(folder: Path) -> None:
+            fill_dataset(folder / DATASET, settings, plan, wheels)
+            fill_kernel(folder / KERNEL, root, settings, plan)
+
+        write_directory(output, fill, "the Kaggle bundle")
+    size = sum(path.stat().st_size for path in (output / DATASET).rglob("*") if path.is_file())
+    log(f"bundle {settings.id} ({settings.mode}) written to {output}: {size / 1e6:.1f} MB to upload")
+    log(f"next: ptbr kaggle push {output}")
+    return output
+
+
+# --- what goes in ------------------------------------------------------------------------------------
+
+
+def plan_contents(settings: BundleSettings) -> Plan:
+    """The run's settings, data and base, each checked as the run will check it; every problem of the
+    settings at once (exit 2), then the data (3) and the base (4)."""
+    cls = MODES[settings.mode]
+    file_values = read_config_file(settings.config) if settings.config else {}
+    file_values = {str(key).replace("-", "_"): value for key, value in file_values.items()}
+    values = {key: value for key, value in file_values.items() if key not in LOCAL_PATHS}
+    for key, value in KAGGLE_RUN_DEFAULTS.items():
+        values.setdefault(key, value)
+    # A fine-tuning run needs a base and data; the kernel gives them, so stand-ins make the check pass.
+    stand_ins = {"base": "kaggle", "data": "kaggle"} if settings.mode == "finetune" else {}
+    checked = build_settings(cls, values, stand_ins, source=settings.config or "ptbr kaggle bundle")
+    problems = []
+    if getattr(checked, "download", False):
+        problems.append("download is true, but a Kaggle kernel runs with the internet off: bundle a local --base "
+                        "or attach a Kaggle model (--base kaggle:OWNER/MODEL/FRAMEWORK/VARIATION)")
+    if checked.device not in KAGGLE_DEVICES:
+        problems.append(f"device {checked.device!r} is not on Kaggle (use {', '.join(KAGGLE_DEVICES)})")
+    if checked.backend not in KAGGLE_BACKENDS:
+        problems.append(f"backend {checked.backend!r} is not on Kaggle (use {', '.join(KAGGLE_BACKENDS)})")
+    data = settings.data or file_values.get("data")
+    if settings.mode == "finetune" and not data:
+        problems.append("fine-tuning needs --data (train.jsonl, or a directory with train.jsonl and valid.jsonl)")
+    base = settings.base or file_values.get("base")
+    if settings.mode == "finetune" and not base:
+        problems.append("fine-tuning needs --base: a local model directory, or kaggle:OWNER/MODEL/FRAMEWORK/VARIATION")
+    collect(problems, ConfigError, settings.config or "ptbr kaggle bundle", "see `ptbr kaggle bundle --help`")
+
+    files: dict[str, Path] = {}
+    if settings.mode == "pretrain" and data:
+        files.update(pretrain_data(data, file_values.get("tokenizer")))
+    elif settings.mode == "finetune":
+        files.update(finetune_data(data, file_values.get("valid")))
+    base_source = None
+    if settings.mode == "finetune":
+        base_source, base_files = base_model(str(base))
+        files.update(base_files)
+    return Plan(values, files, base_source)
+
+
+def pretrain_data(data: str, tokenizer: str | None) -> dict[str, Path]:
+    """The dataset's files as `ptbr train` reads them (checked the same way); its tokenizer lands
+    in data/tokenizer.json, where the kernel's `--data` finds it."""
+    from ptbr.data.tokens import open_dataset
+
+    dataset = open_dataset(data, tokenizer)
+    files = {f"{DATA}/train.bin": dataset.train_path, f"{DATA}/tokenizer.json": dataset.tokenizer_path}
+    for name in ("val.bin", "meta.json"):
+        if (dataset.directory / name).is_file():
+            files[f"{DATA}/{name}"] = dataset.directory / name
+    return files
+
+
+def finetune_data(data: str, valid: str | None) -> dict[str, Path]:
+    """train.jsonl and valid.jsonl, with every line checked as `ptbr validate-data` checks it (token
+    lengths are checked on Kaggle by preflight, against the base)."""
+    from ptbr.finetune.data import data_paths, inspect_pair, problems_summary
+
+    train_path, valid_path = data_paths(data, valid)
+    failed = [report for report in inspect_pair(train_path, valid_path) if report.problems]
+    if failed:
+        raise DataError("; ".join(problems_summary(report) for report in failed), data,
+                        "fix those lines (`ptbr validate-data FILE.jsonl` lists every problem)")
+    files = {f"{DATA}/train.jsonl": train_path}
+    if valid_path is not None:
+        files[f"{DATA}/valid.jsonl"] = valid_path
+    return files
+
+
+def base_model(base: str) -> tuple[dict, dict[str, Path]]:
+    """A Kaggle-hosted model is attached, not uploaded; a local one is copied into base/."""
+    from ptbr.finetune.base import check_base
+
+    hosted = KAGGLE_MODEL.match(base)
+    if hosted:
+        return {"kaggle": "/".join(part for part in hosted.groups() if part)}, {}
+    if not Path(base).expanduser().exists():
+        raise ModelError("base model directory not found (a Kaggle kernel has no internet: a Hugging Face Hub id "
+                         "cannot be downloaded there)", base,
+                         "give a local model directory, or a model hosted on Kaggle as "
+                         "kaggle:OWNER/MODEL/FRAMEWORK/VARIATION[/VERSION]")
+    check_base(base)
+    folder = Path(base).expanduser()
+    files = {f"{BASE}/{path.relative_to(folder).as_posix()}": path for path in sorted(folder.rglob("*"))
+             if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)}
+    return {"folder": BASE}, files
+
+
+# --- the wheelhouse ---------------------------------------------------------------------------------------
+
+
+def wheelhouse(build, settings: BundleSettings, scratch: Path) -> dict[str, Path]:
+    """{file name: wheel}: ptbr built from this checkout, and each dependency it needs on Kaggle at the
+    version locks/kaggle.txt pins, downloaded (hash-checked) into the build cache for reuse."""
+    try:
+        ptbr_wheel = build.build_wheel(scratch / "dist")
+    except build.BuildError as exc:
+        raise KaggleError(f"cannot build the ptbr wheel from the checkout: {exc}", str(build.ROOT),
+                          "run `pip wheel --no-deps .` there to see why") from exc
+    lock = build.LOCKS["kaggle"].path
+    entries = build.lock_entries(lock)
+    needed = bundled_dependencies(entries, wheel_requirements(ptbr_wheel, settings), settings.python_version, lock)
+    requirements = scratch / "kaggle-requirements.txt"
+    requirements.write_text("".join(entries[name].text for name in sorted(needed)))
+    cache = build.CACHE / f"kaggle-cp{settings.python_version.replace('.', '')}"
+    log(f"wheelhouse: {len(needed)} dependencies from {lock.name} for CPython {settings.python_version} "
+        f"(manylinux_2_{build.KAGGLE_GLIBC_MINOR} x86_64), cached in {cache}")
+    try:
+        build.download_wheels(requirements, cache, settings.python_version, build.KAGGLE_GLIBC_MINOR)
+    except build.BuildError as exc:
+        raise KaggleError(f"pip could not download the bundle's wheels: {exc}", str(requirements),
+                          "check the network to the package index; a pin without a wheel for this Python "
+                          f"({settings.python_version}) needs `nox -s locks` or another --python-version") from exc
+    wheels = {ptbr_wheel.name: ptbr_wheel}
+    problems = []
+    for name in sorted(needed):
+        entry = entries[name]
+        found = [w for w in cache.glob("*.whl") if build.canonical(w.name.split("-")[0]) == name
+                 and w.name.split("-")[1] == entry.version]
+        if len(found) != 1:
+            problems.append(f"{name}=={entry.version}: {len(found)} wheels in {cache}")
+        elif file_sha256(found[0]) not in entry.hashes:
+            problems.append(f"{found[0].name} is not a file {lock.name} allows (sha256 differs)")
+        else:
+            wheels[found[0].name] = found[0]
+    collect(problems, KaggleError, str(cache), f"empty {cache} and bundle again")
+    return wheels
+
+
+def wheel_requirements(wheel: Path, settings: BundleSettings) -> list[str]:
+    """The names of what the ptbr wheel requires on Kaggle: its core, and the finetune extra for
+    fine-tuning (read from the wheel itself, as pip will read it there)."""
+    import zipfile
+    from email.parser import Parser  # here, not at the top: `ptbr --help` imports this module
+
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        message = Parser().parsestr(archive.read(metadata).decode("utf-8"))
+    extras = ("", "finetune") if settings.mode == "finetune" else ("",)
+    environment = {**KAGGLE_MARKERS, "python_version": settings.python_version,
+                   "python_full_version": f"{settings.python_version}.0"}
+    names = []
+    for line in message.get_all("Requires-Dist") or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or any(requirement.marker.evaluate({**environment, "extra": extra})
+                                             for extra in extras):
+            names.append(requirement.name)
+    return names
+
+
+def bundled_dependencies(entries: dict, requirements: list[str], python: str, lock: Path) -> set[str]:
+    """Every locked package the requirements lead to, through the lock's `# via` records, except
+    torch and what is there only for torch: Kaggle's image has them."""
+    canonical = {re.sub(r"[-_.]+", "-", name).lower() for name in requirements}
+    missing = sorted(canonical - set(entries))
+    if missing:
+        raise ConfigError(f"{lock.name} does not pin {', '.join(missing)}", str(lock),
+                          "regenerate the locks with `nox -s locks`")
+    asked_by: dict[str, set[str]] = {}
+    for name, entry in entries.items():
+        for parent in entry.via:
+            asked_by.setdefault(re.sub(r"[-_.]+", "-", parent).lower(), set()).add(name)
+    needed: set[str] = set()
+    todo = [name for name in canonical if name != LEFT_TO_KAGGLE]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        todo += [child for child in asked_by.get(name, ()) if child != LEFT_TO_KAGGLE]
+    return needed
+
+
+# --- writing it ---------------------------------------------------------------------------------------------
+
+
+def fill_dataset(folder: Path, settings: BundleSettings, plan: Plan, wheels: dict[str, Path]) -> None:
+    (folder / WHEELS).mkdir(parents=True)
+    for name, wheel in sorted(wheels.items()):
+        shutil.copyfile(wheel, folder / WHEELS / name)
+    for inside, source in plan.files.items():
+        (folder / inside).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, folder / inside)
+    write_json(folder / SETTINGS_FILE, plan.settings)
+    files = {path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+             for path in sorted(folder.rglob("*")) if path.is_file()}
+    ptbr_wheel = next(name for name in wheels if name.startswith("ptbr-"))
+    info = {
+        "format": 1,
+        "id": settings.id,
+        "mode": settings.mode,
+        "ptbr_version": ptbr_wheel.split("-")[1],
+        "requirement": "ptbr[finetune]" if settings.mode == "finetune" else "ptbr",
+        "python": settings.python_version,
+        "settings": SETTINGS_FILE,
+        "folders": sorted({name.split("/")[0] for name in files if "/" in name}),
+        "base": plan.base,
+        "resume_from_previous": settings.resume_from_previous,
+        "stop_after_s": round(settings.stop_after_hours * 3600),
+        "log_versions": sorted({name.split("-")[0].lower().replace("_", "-") for name in wheels} | {LEFT_TO_KAGGLE}),
+        "files": files,
+    }
+    write_json(folder / BUNDLE_MARKER, info)
+    fields = {"owner": settings.owner, "slug": settings.slug, "title": settings.title or settings.slug}
+    write_json(folder / DATASET_METADATA, render(template(DATASET_METADATA), fields))
+
+
+def fill_kernel(folder: Path, root: Path, settings: BundleSettings, plan: Plan) -> None:
+    folder.mkdir(parents=True)
+    script = (root / "kaggle" / "kernel.py").read_text(encoding="utf-8")
+    placeholder = 'BUNDLE_ID = ""\n'
+    if script.count(placeholder) != 1:
+        raise ConfigError("kaggle/kernel.py has no `BUNDLE_ID = \"\"` line to fill in", str(root / "kaggle"),
+                          "restore kaggle/kernel.py from the repository")
+    write_text(folder / KERNEL_FILE, script.replace(placeholder, f"BUNDLE_ID = {json.dumps(settings.id)}\n"),
+               KERNEL_FILE)
+    title = settings.title or settings.slug
+    fields = {"owner": settings.owner, "slug": settings.slug, "kernel_title": kernel_title(title, settings.slug)}
+    metadata = render(template(KERNEL_METADATA), fields)
+    metadata["code_file"] = KERNEL_FILE
+    metadata["kernel_sources"] = [settings.id] if settings.resume_from_previous else []
+    metadata["model_sources"] = [plan.base["kaggle"]] if plan.base and "kaggle" in plan.base else []
+    write_json(folder / KERNEL_METADATA, metadata)
+
+
+def template(name: str) -> dict:
+    return json.loads((checkout_root() / "kaggle" / name).read_text(encoding="utf-8"))
+
+
+def render(value, fields: dict[str, str]):
+    """A template with {owner}, {slug}, ... filled in every string."""
+    if isinstance(value, str):
+        return value.format_map(fields)
+    if isinstance(value, list):
+        return [render(item, fields) for item in value]
+    if isinstance(value, dict):
+        return {key: render(item, fields) for key, item in value.items()}
+    return value

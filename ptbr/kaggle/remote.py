@@ -1,0 +1,341 @@
+"""`ptbr kaggle push|status|output`: a bundle to Kaggle and its kernel's outputs back, through the
+Kaggle API client. Every answer is checked: the client itself reports several server-side failures
+only in a response field, and leaves out a file whose upload failed while still creating the
+dataset, so push counts what arrived."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from ptbr.errors import ConfigError, KaggleError
+from ptbr.files import write_directory, write_json
+from ptbr.kaggle.client import call, connect, username
+from ptbr.kaggle.layout import (
+    BUNDLE_MARKER,
+    KERNEL_FILE,
+    KERNEL_METADATA,
+    POLL_SECONDS,
+    RUN_DIR,
+    RUN_MARKER,
+    Bundle,
+    read_bundle,
+)
+from ptbr.log import log
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """How long push and status wait on Kaggle, and how often they ask."""
+
+    poll_s: float = POLL_SECONDS
+    dataset_timeout_s: float = 3600.0  # a large dataset takes Kaggle a while to process
+
+
+# A kernel in these states has not finished.
+UNFINISHED = ("queued", "running", "new_script", "cancel_requested")
+
+
+def push(path: str, kernel_only: bool = False, waiting: Waiting = Waiting()) -> str:
+    """The dataset (created, or a new version of it), checked file by file once Kaggle has it, then
+    the kernel. Returns the kernel's URL."""
+    bundle = read_bundle(path)
+    api = connect()
+    owner = bundle.dataset_id.split("/")[0]
+    if username(api) and username(api) != owner:
+        raise ConfigError(f"the bundle is for the Kaggle user {owner}, but the credentials are {username(api)}'s",
+                          str(bundle.path), f"make the bundle again with --owner {username(api)}, or use "
+                          f"{owner}'s credentials")
+    if kernel_only:
+        log(f"dataset {bundle.dataset_id}: not uploaded again (--kernel-only)")
+    else:
+        upload_dataset(api, bundle)
+        wait_until_ready(api, bundle.dataset_id, waiting)
+    check_dataset_files(api, bundle)
+    return push_kernel(api, bundle)
+
+
+# --- the dataset -------------------------------------------------------------------------------------
+
+
+def upload_dataset(api, bundle: Bundle) -> None:
+    dataset = bundle.dataset_id
+    files = bundle.info["files"]
+    size = sum(f["bytes"] for f in files.values())
+    quiet = not sys.stdout.isatty()  # the client's progress bars, on a terminal only
+    # dir_mode "zip": the client skips subfolders otherwise; each (wheels/, data/, base/) goes up as an
+    # archive that Kaggle unpacks, and the kernel unpacks one itself if Kaggle has not.
+    if call(api, f"ask about the dataset {dataset}", api.dataset_status, dataset, absent_ok=True) is not None:
+        log(f"dataset {dataset}: uploading a new version ({len(files)} files, {size / 1e6:.1f} MB)")
+        notes = f"ptbr {bundle.info['ptbr_version']} bundle, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        response = call(api, f"upload a new version of the dataset {dataset}", api.dataset_create_version,
+                        str(bundle.dataset), notes, quiet=quiet, dir_mode="zip")
+    else:
+        log(f"dataset {dataset}: creating it, private ({len(files)} files, {size / 1e6:.1f} MB)")
+        response = call(api, f"create the dataset {dataset}", api.dataset_create_new, str(bundle.dataset),
+                        public=False, quiet=quiet, dir_mode="zip")
+    if response is None or (response.status or "").lower() != "ok" or response.error:
+        reason = (response.error or response.status) if response is not None else "no answer"
+        raise KaggleError(f"Kaggle refused the dataset {dataset}: {reason}", str(bundle.dataset),
+                          "fix what Kaggle names (a title or slug in use by another dataset: bundle again with "
+                          "another --slug or --title)")
+
+
+def wait_until_ready(api, dataset: str, waiting: Waiting) -> None:
+    deadline = time.monotonic() + waiting.dataset_timeout_s
+    while True:
+        status = str(call(api, f"ask about the dataset {dataset}", api.dataset_status, dataset)).lower()
+        if status == "ready":
+            log(f"dataset {dataset}: ready")
+            return
+        if status in ("failed", "deleted"):
+            raise KaggleError(f"Kaggle could not process the dataset {dataset} (status {status})", dataset,
+                              "push again; if it fails again, look at the dataset's page on Kaggle")
+        if time.monotonic() > deadline:
+            raise KaggleError(f"the dataset {dataset} is still {status} after {waiting.dataset_timeout_s / 60:.0f} "
+                              "minutes", dataset, "wait, then push the kernel alone: ptbr kaggle push BUNDLE "
+                              "--kernel-only")
+        log(f"dataset {dataset}: {status}, waiting")
+        time.sleep(waiting.poll_s)
+
+
+def listed_files(api, dataset: str) -> dict[str, int]:
+    """{name: bytes} of every file of the dataset's newest version, as Kaggle lists them."""
+    found: dict[str, int] = {}
+    token = None
+    while True:
+        response = call(api, f"list the files of the dataset {dataset}", api.dataset_list_files, dataset,
+                        page_token=token, page_size=200)
+        if response.error_message:
+            raise KaggleError(f"cannot list the files of the dataset {dataset}: {response.error_message}", dataset,
+                              "run the command again")
+        for item in response.files or []:
+            found[item.name] = item.total_bytes
+        token = response.next_page_token
+        if not token:
+            return found
+
+
+def check_dataset_files(api, bundle: Bundle) -> None:
+    """Every file of the bundle must be in the dataset with its size. A folder may be listed file by
+    file (as Kaggle unpacks an archive), by file names alone, or as the archive it was sent as."""
+    listed = listed_files(api, bundle.dataset_id)
+    by_name: dict[str, list[int]] = {}
+    for name, size in listed.items():
+        by_name.setdefault(PurePosixPath(name).name, []).append(size)
+    expected = {**{name: f["bytes"] for name, f in bundle.info["files"].items()},
+                BUNDLE_MARKER: (bundle.dataset / BUNDLE_MARKER).stat().st_size}
+    missing, wrong = [], []
+    for name, size in sorted(expected.items()):
+        top = name.split("/")[0]
+        if name in listed:
+            sizes = [listed[name]]
+        elif "/" in name and f"{top}.zip" in listed:
+            continue  # the folder is kept as the archive it was sent as (the kernel unpacks it)
+        else:
+            sizes = by_name.get(PurePosixPath(name).name, [])
+        if not sizes:
+            missing.append(name)
+        elif size not in sizes and not any(s in (0, None) for s in sizes):  # 0: Kaggle gave no size
+            wrong.append(f"{name} ({sizes[0]} bytes, not {size})")
+    if missing or wrong:
+        problems = ([f"{len(missing)} of {len(expected)} files did not arrive: {', '.join(missing[:5])}"
+                     f"{' ...' if len(missing) > 5 else ''}"] if missing else []) + \
+                   ([f"sizes differ: {', '.join(wrong[:5])}"] if wrong else [])
+        raise KaggleError(f"the dataset {bundle.dataset_id} on Kaggle is not the bundle: {'; '.join(problems)}",
+                          str(bundle.dataset), "push again (`ptbr kaggle push BUNDLE`): the client leaves out a "
+                          "file whose upload failed without failing itself")
+    log(f"dataset {bundle.dataset_id}: all {len(expected)} files arrived")
+
+
+# --- the kernel ----------------------------------------------------------------------------------------
+
+
+def push_kernel(api, bundle: Bundle) -> str:
+    kernel = bundle.kernel_id
+    metadata = dict(bundle.kernel_metadata)
+    resolved = [resolve_model_version(api, source) for source in metadata.get("model_sources", [])]
+    if resolved != metadata.get("model_sources", []):
+        metadata["model_sources"] = resolved
+        write_json(bundle.kernel / KERNEL_METADATA, metadata)  # the bundle records the version pushed
+    if kernel in metadata.get("kernel_sources", []):
+        state = kernel_state(api, kernel)
+        if state is None:
+            log(f"kernel {kernel}: no previous version yet, so none of its output to attach: this version starts "
+                "the run")
+            metadata["kernel_sources"] = [source for source in metadata["kernel_sources"] if source != kernel]
+        elif state in UNFINISHED:
+            raise KaggleError(f"the kernel {kernel} is still {state}: its output is not there to resume from",
+                              kernel, "wait until it ends (`ptbr kaggle status BUNDLE --wait`), then push again")
+        else:
+            log(f"kernel {kernel}: the previous version ended {state}; its output is attached to resume from")
+    with tempfile.TemporaryDirectory(prefix="ptbr-kernel-") as folder:
+        shutil.copyfile(bundle.kernel / KERNEL_FILE, Path(folder) / KERNEL_FILE)
+        (Path(folder) / KERNEL_METADATA).write_text(json.dumps(metadata, indent=2), encoding="utf-8")
+        response = call(api, f"push the kernel {kernel}", api.kernels_push, folder)
+    problems = [response.error] if response.error else []
+    for field in ("invalid_dataset_sources", "invalid_kernel_sources", "invalid_model_sources",
+                  "invalid_competition_sources", "invalid_tags"):
+        values = getattr(response, field, None)
+        if values:
+            problems.append(f"{field.removeprefix('invalid_').replace('_', ' ')} refused: {', '.join(values)}")
+    if problems:
+        raise KaggleError(f"Kaggle refused the kernel {kernel}: {'; '.join(problems)}", str(bundle.kernel),
+                          "fix what Kaggle names, then push again")
+    url = response.url or f"https://www.kaggle.com/code/{kernel}"
+    log(f"kernel {response.ref or kernel} version {response.version_number} pushed: {url}")
+    log(f"follow it: ptbr kaggle status {bundle.path} --wait; then: ptbr kaggle output {bundle.path} --path DIR")
+    return url
+
+
+def resolve_model_version(api, source: str) -> str:
+    """OWNER/MODEL/FRAMEWORK/VARIATION without a version: the newest, as Kaggle says now."""
+    if source.count("/") == 4:
+        return source
+    instance = call(api, f"look up the Kaggle model {source}", api.model_instance_get, source)
+    version = getattr(instance, "version_number", None)
+    if not version:
+        raise KaggleError(f"Kaggle lists no version of the model {source}", source,
+                          "give the version: --base kaggle:OWNER/MODEL/FRAMEWORK/VARIATION/VERSION")
+    log(f"model {source}: attaching its newest version, {version}")
+    return f"{source}/{version}"
+
+
+def kernel_state(api, kernel: str) -> str | None:
+    """The kernel's state in lowercase (queued, running, complete, error, ...), or None when it has
+    no version yet."""
+    response = call(api, f"ask about the kernel {kernel}", api.kernels_status, kernel, absent_ok=True)
+    if response is None:
+        return None
+    status = response.status
+    return (getattr(status, "name", None) or str(status)).lower()
+
+
+# --- following it -------------------------------------------------------------------------------------------
+
+
+def status(path: str, wait: bool = False, waiting: Waiting = Waiting()) -> str:
+    """Print the kernel's state (each change, with --wait, until it ends); a kernel that failed or was
+    cancelled is a KaggleError."""
+    bundle = read_bundle(path)
+    api = connect()
+    kernel = bundle.kernel_id
+    shown = None
+    while True:
+        response = call(api, f"ask about the kernel {kernel}", api.kernels_status, kernel)
+        state = (getattr(response.status, "name", None) or str(response.status)).lower()
+        if state != shown:
+            print(f"{kernel}: {state}", flush=True)
+            shown = state
+        if not wait or state not in UNFINISHED:
+            break
+        time.sleep(waiting.poll_s)
+    if state == "error":
+        reason = f": {response.failure_message}" if response.failure_message else ""
+        raise KaggleError(f"the kernel {kernel} failed{reason}", f"https://www.kaggle.com/code/{kernel}",
+                          f"ptbr kaggle output {bundle.path} --path DIR fetches its log, which names the failing stage")
+    if state.startswith("cancel"):
+        raise KaggleError(f"the kernel {kernel} was cancelled ({state})", f"https://www.kaggle.com/code/{kernel}",
+                          f"push it again: ptbr kaggle push {bundle.path}")
+    return state
+
+
+def output(path: str, target: str, pattern: str | None = None) -> Path:
+    """The kernel's newest outputs and its log, downloaded into `target` as a whole (a previous
+    download there is replaced; a folder holding anything else is refused)."""
+    bundle = read_bundle(path)
+    destination = Path(target)
+    log_name = f"{bundle.kernel_id.split('/')[1]}.log"
+    if destination.exists() and (not destination.is_dir() or (
+            any(destination.iterdir()) and not (destination / RUN_MARKER).is_file()
+            and not (destination / log_name).is_file())):
+        raise ConfigError("the download folder holds something other than a previous download of this kernel's "
+                          "outputs: it would be replaced", str(destination), "give a new or empty folder with --path")
+    api = connect()
+    pattern_re = None
+    if pattern:
+        import re
+
+        try:
+            pattern_re = re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"--pattern is not a regular expression: {exc}", pattern, "fix the pattern") from exc
+    counted: list[int] = []
+
+    def fill(folder: Path) -> None:
+        counted.append(download_outputs(api, bundle.kernel_id, folder, log_name, pattern_re))
+
+    write_directory(destination, fill, "the kernel's outputs")
+    log(f"kernel {bundle.kernel_id}: {counted[0]} output files and the log ({log_name}) in {destination}")
+    summarize(destination)
+    return destination
+
+
+def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> int:
+    """Each file Kaggle lists for the kernel's newest version, checked (an error page is not saved as
+    an output, a name cannot leave `folder`), then its log."""
+    import requests
+    from kagglesdk.kernels.types.kernels_api_service import ApiListKernelSessionOutputRequest
+
+    owner, slug = kernel.split("/")
+    count, token, log_text = 0, None, None
+    while True:
+        request = ApiListKernelSessionOutputRequest()
+        request.user_name, request.kernel_slug, request.page_size = owner, slug, 100
+        if token:
+            request.page_token = token
+        with api.build_kaggle_client() as client:
+            response = call(api, f"list the outputs of the kernel {kernel}",
+                            client.kernels.kernels_api_client.list_kernel_session_output, request)
+        log_text = log_text if log_text is not None else response.log
+        for item in response.files or []:
+            if pattern is not None and not pattern.search(item.file_name):
+                continue
+            target = (folder / item.file_name).resolve()
+            if not target.is_relative_to(folder.resolve()) or target == folder.resolve():
+                raise KaggleError(f"Kaggle lists an output named {item.file_name!r}, outside the download folder",
+                                  kernel, "download it from the kernel's page instead")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with call(api, f"download {item.file_name}", requests.get, item.url, stream=True, timeout=600) as answer:
+                call(api, f"download {item.file_name}", answer.raise_for_status)
+                with open(target, "wb") as out:
+                    for block in answer.iter_content(1 << 20):
+                        out.write(block)
+            count += 1
+        token = response.next_page_token
+        if not token:
+            break
+    (folder / log_name).write_text(log_text or "", encoding="utf-8")
+    return count
+
+
+def summarize(folder: Path) -> None:
+    """What the kernel left, in a few lines: how it ended, the preflight verdict, the training summary."""
+    record_file = folder / RUN_MARKER
+    if record_file.is_file():
+        record = json.loads(record_file.read_text(encoding="utf-8"))
+        stages = ", ".join(f"{name} {state}" for name, state in record.get("stages", {}).items())
+        print(f"kernel: {stages}; exit code {record.get('exit_code')}"
+              + (f"; failure: {record['failure']}" if record.get("failure") else ""))
+    else:
+        print(f"kernel: no {RUN_MARKER} (the kernel stopped before its outputs stage, or did not start); "
+              "see the log")
+    run_dir = folder / RUN_DIR
+    preflight = run_dir / "preflight_report.json"
+    if preflight.is_file():
+        report = json.loads(preflight.read_text(encoding="utf-8"))
+        counts = {}
+        for check in report.get("checks", []):
+            counts[check.get("status")] = counts.get(check.get("status"), 0) + 1
+        print(f"preflight: {counts.get('pass', 0)} pass, {counts.get('warn', 0)} warn, {counts.get('fail', 0)} fail "
+              f"({preflight})")
+    summary = run_dir / "training_summary.json"
+    if summary.is_file():
+        print(f"training summary: {summary}")
+    elif run_dir.is_dir():
+        print(f"run directory: {run_dir} (no training_summary.json: the run has not finished)")

@@ -42,8 +42,8 @@ LOCK_PYTHON = BUILD.IMAGE_PYTHON
 # image ships (core + finetune); ci.txt adds the kaggle and dev extras and MLX's CPU build, so the
 # MLX path is tested for real on Linux too. On Apple Silicon macos.txt holds all of it.
 LOCKS_BY_PLATFORM = {
-    ("Linux", "x86_64"): {"tests": "ci", "run": "cpu", "cuda": "cuda"},
-    ("Darwin", "arm64"): {"tests": "macos", "run": "macos"},
+    ("Linux", "x86_64"): {"tests": "ci", "run": "cpu", "cuda": "cuda", "kaggle": "ci"},
+    ("Darwin", "arm64"): {"tests": "macos", "run": "macos", "kaggle": "macos"},
 }
 # Installer tooling that a virtual environment starts with; a lock need not name it.
 SEEDED = {"pip", "setuptools", "wheel"}
@@ -51,13 +51,13 @@ SEEDED = {"pip", "setuptools", "wheel"}
 
 def lock_for(session: nox.Session, purpose: str, system: str | None = None,
              machine: str | None = None) -> Path:
-    """The lock file that `purpose` ("tests", "run" or "cuda") installs on this platform (or the
+    """The lock file that `purpose` ("tests", "run", "cuda" or "kaggle") installs on this platform (or the
     one named); elsewhere the session stops and says how to install without a lock."""
     system, machine = system or platform.system(), machine or platform.machine()
     name = LOCKS_BY_PLATFORM.get((system, machine), {}).get(purpose)
     if name is None:
         covered = " and ".join(f"{s} {m}" for (s, m), by in LOCKS_BY_PLATFORM.items() if purpose in by)
-        extras = "finetune,kaggle,dev" if purpose == "tests" else "finetune"
+        extras = {"tests": "finetune,kaggle,dev", "kaggle": "kaggle"}.get(purpose, "finetune")
         session.error(
             f"locks/ holds no lock for {system} {machine} (this session's covers {covered}). "
             f"Install unlocked in an environment of your own instead: "
@@ -153,6 +153,15 @@ def bench(session: nox.Session) -> None:
     install_locked(session, lock_for(session, "cuda" if cuda else "run"))
     session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
     session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *session.posargs)
+
+
+@nox.session(python=LOCK_PYTHON, default=False)
+def kaggle(session: nox.Session) -> None:
+    """`ptbr kaggle ACTION` from this checkout, with the kaggle client the lock pins:
+    `-- bundle --output BUNDLE --owner OWNER --slug SLUG [...]`, `-- push BUNDLE`,
+    `-- status BUNDLE --wait`, `-- output BUNDLE --path DIR` (see the README's Kaggle section)."""
+    install_locked(session, lock_for(session, "kaggle"))
+    session.run("ptbr", "kaggle", *session.posargs)
 
 
 # --- container images (docker/build.py holds the logic; see docker/README.md) -------------------

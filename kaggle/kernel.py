@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -100,7 +101,7 @@ def main() -> int:
         stage = "preflight"
         base = find_base(inputs, info, folders, exclude=bundle)
         paths = run_paths(bundle, info, folders, base, run_dir)
-        preflight = run_ptbr(["preflight", "--mode", info["mode"], *paths])
+        preflight = run_ptbr(stage, ["preflight", "--mode", info["mode"], *paths])
         if preflight != 0:
             raise StageFailed(f"ptbr preflight exited with {preflight} (see {run_dir / 'preflight_report.json'} "
                               "and the lines above); fix the settings and bundle again")
@@ -109,7 +110,7 @@ def main() -> int:
         stage = "train"
         command = "train" if info["mode"] == "pretrain" else "finetune"
         budget = float(info["stop_after_s"]) - (time.monotonic() - started)
-        code, stopped_by_budget = train([command, *paths, "--resume", "auto"], budget)
+        code, stopped_by_budget = train(stage, [command, *paths, "--resume", "auto"], budget)
         record["train_exit_code"] = code
         if code == 0:
             log(f"{stage}: done; the run is in {run_dir}")
@@ -246,10 +247,11 @@ def sha256(path: Path) -> str:
 
 def install(wheels: Path, info: dict) -> None:
     """pip from the bundle's wheels only. --isolated: no pip configuration or PIP_* variable of the
-    image can point pip at an index (there is no network) or change what it installs."""
+    image can point pip at an index (there is no network) or change what it installs. --no-compile:
+    Python compiles the modules a run imports when it imports them, a fraction of transformers'."""
     requirement = f"{info['requirement']}=={info['ptbr_version']}"
     command = [sys.executable, "-m", "pip", "--isolated", "install", "--no-index", "--find-links", str(wheels),
-               "--disable-pip-version-check", "--no-input", "--progress-bar", "off", requirement]
+               "--no-compile", "--disable-pip-version-check", "--no-input", "--progress-bar", "off", requirement]
     log(f"install: {' '.join(command)}")
     code = subprocess.run(command).returncode
     if code != 0:
@@ -259,9 +261,13 @@ def install(wheels: Path, info: dict) -> None:
                           f"{sys.version_info[1]}")
     listed = subprocess.run([sys.executable, "-m", "pip", "--isolated", "list", "--format=freeze",
                              "--disable-pip-version-check"], capture_output=True, text=True)
-    wanted = {name.lower() for name in info.get("log_versions", [])}
-    versions = [line for line in listed.stdout.split() if line.split("==")[0].lower() in wanted]
+    wanted = {canonical(name) for name in info.get("log_versions", [])}
+    versions = [line for line in listed.stdout.split() if canonical(line.split("==")[0]) in wanted]
     log(f"install: done; {', '.join(versions)}")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 # --- resume ------------------------------------------------------------------------------------------
@@ -354,17 +360,17 @@ def run_paths(bundle: Path, info: dict, folders: dict[str, Path], base: Path | N
     return paths
 
 
-def run_ptbr(args: list[str]) -> int:
+def run_ptbr(stage: str, args: list[str]) -> int:
     command = [sys.executable, "-m", "ptbr", *args]
-    log(" ".join(command))
+    log(f"{stage}: {' '.join(command)}")
     return subprocess.run(command).returncode
 
 
-def train(args: list[str], budget_s: float) -> tuple[int, bool]:
+def train(stage: str, args: list[str], budget_s: float) -> tuple[int, bool]:
     """Run `ptbr ARGS`; a SIGTERM/SIGINT to this kernel, or the time budget running out, is passed on
     to it once. Returns its exit code and whether the budget stopped it."""
     command = [sys.executable, "-m", "ptbr", *args]
-    log(" ".join(command))
+    log(f"{stage}: {' '.join(command)}")
     # A session of its own: a signal Kaggle sends to the whole process group reaches ptbr once,
     # through forward(), not twice (a second SIGINT would stop it without saving).
     child = subprocess.Popen(command, start_new_session=True)
@@ -374,13 +380,13 @@ def train(args: list[str], budget_s: float) -> tuple[int, bool]:
     def forward(signum: int, _frame=None) -> None:
         if not stop.is_set():
             stop.set()
-            log(f"train: got {signal.Signals(signum).name}: asking ptbr to save a checkpoint and stop")
+            log(f"{stage}: got {signal.Signals(signum).name}: asking ptbr to save a checkpoint and stop")
             child.send_signal(signal.SIGTERM)
 
     def out_of_time() -> None:
         if not stop.is_set():
             by_budget.set()
-            log(f"train: {budget_s / 3600:.2f} h budget used: asking ptbr to save a checkpoint and stop before "
+            log(f"{stage}: {budget_s / 3600:.2f} h budget used: asking ptbr to save a checkpoint and stop before "
                 "Kaggle ends the session")
             forward(signal.SIGTERM)
 

@@ -127,10 +127,10 @@ def make_bundle(settings: BundleSettings) -> Path:
     root = checkout_root()
     build = load_build_script(root)
     with tempfile.TemporaryDirectory(prefix="ptbr-kaggle-") as tmp:
-        wheels = wheelhouse(build, settings, Path(tmp))
+        wheels, requirements = wheelhouse(build, settings, Path(tmp))
 
         def fill(folder: Path) -> None:
-            fill_dataset(folder / DATASET, settings, plan, wheels)
+            fill_dataset(folder / DATASET, settings, plan, wheels, requirements)
             fill_kernel(folder / KERNEL, root, settings, plan)
 
         write_directory(output, fill, "the Kaggle bundle")
@@ -234,9 +234,10 @@ def base_model(base: str) -> tuple[dict, dict[str, Path]]:
 # --- the wheelhouse ---------------------------------------------------------------------------------------
 
 
-def wheelhouse(build, settings: BundleSettings, scratch: Path) -> dict[str, Path]:
+def wheelhouse(build, settings: BundleSettings, scratch: Path) -> tuple[dict[str, Path], list[str]]:
     """{file name: wheel}: ptbr built from this checkout, and each dependency it needs on Kaggle at the
-    version locks/kaggle.txt pins, downloaded (hash-checked) into the build cache for reuse."""
+    version locks/kaggle.txt pins, downloaded (hash-checked) into the build cache for reuse; and the
+    names of ptbr's own requirements (the versions the kernel logs)."""
     try:
         ptbr_wheel = build.build_wheel(scratch / "dist")
     except build.BuildError as exc:
@@ -244,16 +245,17 @@ def wheelhouse(build, settings: BundleSettings, scratch: Path) -> dict[str, Path
                           "run `pip wheel --no-deps .` there to see why") from exc
     lock = build.LOCKS["kaggle"].path
     entries = build.lock_entries(lock)
-    needed = bundled_dependencies(entries, wheel_requirements(ptbr_wheel, settings), settings.python_version, lock)
-    requirements = scratch / "kaggle-requirements.txt"
-    requirements.write_text("".join(entries[name].text for name in sorted(needed)))
+    requirements = wheel_requirements(ptbr_wheel, settings)
+    needed = bundled_dependencies(entries, requirements, lock)
+    pins = scratch / "kaggle-requirements.txt"
+    pins.write_text("".join(entries[name].text for name in sorted(needed)))
     cache = build.CACHE / f"kaggle-cp{settings.python_version.replace('.', '')}"
     log(f"wheelhouse: {len(needed)} dependencies from {lock.name} for CPython {settings.python_version} "
         f"(manylinux_2_{build.KAGGLE_GLIBC_MINOR} x86_64), cached in {cache}")
     try:
-        build.download_wheels(requirements, cache, settings.python_version, build.KAGGLE_GLIBC_MINOR)
+        build.download_wheels(pins, cache, settings.python_version, build.KAGGLE_GLIBC_MINOR)
     except build.BuildError as exc:
-        raise KaggleError(f"pip could not download the bundle's wheels: {exc}", str(requirements),
+        raise KaggleError(f"pip could not download the bundle's wheels: {exc}", str(pins),
                           "check the network to the package index; a pin without a wheel for this Python "
                           f"({settings.python_version}) needs `nox -s locks` or another --python-version") from exc
     wheels = {ptbr_wheel.name: ptbr_wheel}
@@ -269,7 +271,7 @@ def wheelhouse(build, settings: BundleSettings, scratch: Path) -> dict[str, Path
         else:
             wheels[found[0].name] = found[0]
     collect(problems, KaggleError, str(cache), f"empty {cache} and bundle again")
-    return wheels
+    return wheels, requirements
 
 
 def wheel_requirements(wheel: Path, settings: BundleSettings) -> list[str]:
@@ -295,7 +297,7 @@ def wheel_requirements(wheel: Path, settings: BundleSettings) -> list[str]:
     return names
 
 
-def bundled_dependencies(entries: dict, requirements: list[str], python: str, lock: Path) -> set[str]:
+def bundled_dependencies(entries: dict, requirements: list[str], lock: Path) -> set[str]:
     """Every locked package the requirements lead to, through the lock's `# via` records, except
     torch and what is there only for torch: Kaggle's image has them."""
     canonical = {re.sub(r"[-_.]+", "-", name).lower() for name in requirements}
@@ -321,7 +323,8 @@ def bundled_dependencies(entries: dict, requirements: list[str], python: str, lo
 # --- writing it ---------------------------------------------------------------------------------------------
 
 
-def fill_dataset(folder: Path, settings: BundleSettings, plan: Plan, wheels: dict[str, Path]) -> None:
+def fill_dataset(folder: Path, settings: BundleSettings, plan: Plan, wheels: dict[str, Path],
+                 requirements: list[str]) -> None:
     (folder / WHEELS).mkdir(parents=True)
     for name, wheel in sorted(wheels.items()):
         shutil.copyfile(wheel, folder / WHEELS / name)
@@ -344,7 +347,7 @@ def fill_dataset(folder: Path, settings: BundleSettings, plan: Plan, wheels: dic
         "base": plan.base,
         "resume_from_previous": settings.resume_from_previous,
         "stop_after_s": round(settings.stop_after_hours * 3600),
-        "log_versions": sorted({name.split("-")[0].lower().replace("_", "-") for name in wheels} | {LEFT_TO_KAGGLE}),
+        "log_versions": sorted({"ptbr", LEFT_TO_KAGGLE, *requirements}),
         "files": files,
     }
     write_json(folder / BUNDLE_MARKER, info)

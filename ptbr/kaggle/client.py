@@ -92,20 +92,23 @@ def call(api, what: str, function: Callable[..., Any], *args, absent_ok: bool = 
 
     try:
         return function(*args, **kwargs)
-    except requests.HTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
+    except (requests.HTTPError, ValueError) as exc:
+        # the client turns some HTTP errors into a ValueError of its own (kernels_status: 401 and 403)
+        http = exc if isinstance(exc, requests.HTTPError) else exc.__context__
+        status = getattr(getattr(http, "response", None), "status_code", None)
         if status == 404 and absent_ok:
             return None
         if status == 401:
             raise ConfigError(f"Kaggle refused the credentials from {credentials_source(api)} (HTTP 401) while "
                               f"trying to {what}", "ptbr kaggle", HOW_TO_GET_ONE) from exc
+        if not isinstance(exc, requests.HTTPError):  # the client's own checks of metadata and ids
+            raise KaggleError(f"cannot {what}: {first_line(exc)}", "Kaggle client",
+                              "check the bundle's owner and slug (make the bundle again to change them)") from exc
         raise KaggleError(f"cannot {what}: Kaggle answered {http_message(exc)}", "Kaggle API",
                           "check the bundle's owner and slug, and that your account may do this") from exc
     except requests.RequestException as exc:
         raise KaggleError(f"cannot {what}: Kaggle did not answer ({first_line(exc)})", "Kaggle API",
                           "check the network, then run the command again") from exc
-    except ValueError as exc:  # the client's own checks of metadata and ids
-        raise KaggleError(f"cannot {what}: {first_line(exc)}", "Kaggle client", "make the bundle again") from exc
 
 
 def http_message(exc) -> str:

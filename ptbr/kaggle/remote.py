@@ -188,7 +188,7 @@ def push_kernel(api, bundle: Bundle) -> str:
         raise KaggleError(f"Kaggle refused the kernel {kernel}: {'; '.join(problems)}", str(bundle.kernel),
                           "fix what Kaggle names, then push again")
     url = response.url or f"https://www.kaggle.com/code/{kernel}"
-    log(f"kernel {response.ref or kernel} version {response.version_number} pushed: {url}")
+    log(f"kernel {kernel} version {response.version_number} pushed: {url}")
     log(f"follow it: ptbr kaggle status {bundle.path} --wait; then: ptbr kaggle output {bundle.path} --path DIR")
     return url
 

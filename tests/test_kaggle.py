@@ -1,0 +1,594 @@
+"""`ptbr kaggle`: bundles checked against the lock and the Kaggle client's own rules; push, status
+and output through the real `kaggle` client against a local fake Kaggle (tests/kaggle_fake.py),
+a dropped upload included; and the kernel script run here as Kaggle runs it: a fresh virtual
+environment with only torch, the bundle under $KAGGLE_ROOT/input, no package index, a session
+ended by SIGTERM, and the next version resuming from the first one's output."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import tests.test_finetune as finetune_tests
+from ptbr.cli import main
+from ptbr.data import SAMPLE_DIR
+from ptbr.kaggle import layout
+from tests import kaggle_fake
+from tests.kaggle_fake import KEY, TOKEN, USERNAME, FakeKaggle
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
+SLUG = "ptbr-tiny-run"
+KERNEL_ID = f"{USERNAME}/{SLUG}"
+# A run short enough for a shared CPU, long enough to be stopped halfway: a checkpoint every step.
+TINY = {"model_size": "tiny", "max_steps": 24, "batch_size": 1, "seq_len": 16, "save_every": 1, "eval_every": 0,
+        "eval_batches": 1, "log_every": 1}
+toy = finetune_tests.toy
+
+
+def load_script(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+KERNEL = load_script(ROOT / "kaggle" / "kernel.py", "ptbr_kaggle_kernel")
+BUILD = load_script(ROOT / "docker" / "build.py", "ptbr_build_for_kaggle")
+
+
+def last_error(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def ptbr(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m ptbr ARGS` in a process of its own, from the checkout."""
+    return subprocess.run([sys.executable, "-m", "ptbr", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def files_of(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def holds(folder: Path, secret: str) -> list[str]:
+    return [name for name, path in files_of(folder).items() if secret.encode() in path.read_bytes()]
+
+
+# --- bundles -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory) -> Path:
+    """A pretraining bundle for this machine's Python (the kernel runs here), resuming across versions."""
+    folder = tmp_path_factory.mktemp("tiny-bundle")
+    config = folder / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    out = folder / "bundle"
+    assert main(["kaggle", "bundle", "--output", str(out), "--owner", USERNAME, "--slug", SLUG, "--data",
+                 str(SAMPLE_DIR), "--config", str(config), "--python-version", LOCAL_PYTHON,
+                 "--resume-from-previous"]) == 0
+    return out
+
+
+def test_the_kernel_script_ptbr_and_the_build_script_agree():
+    for name in ("BUNDLE_MARKER", "RUN_MARKER", "RUN_DIR"):
+        assert getattr(KERNEL, name) == getattr(layout, name), name
+    assert BUILD.KAGGLE_PYTHON == layout.KAGGLE_PYTHON == BUILD.LOCKS["kaggle"].python
+    assert (ROOT / "kaggle" / "kernel.py").read_text().count('BUNDLE_ID = ""\n') == 1
+
+
+def test_a_pretraining_bundle_holds_the_locked_wheels_without_torch_and_no_local_paths(tiny_bundle):
+    dataset, kernel = tiny_bundle / layout.DATASET, tiny_bundle / layout.KERNEL
+    info = json.loads((dataset / layout.BUNDLE_MARKER).read_text())
+    entries = BUILD.lock_entries(BUILD.LOCKS["kaggle"].path)
+    wheels = {BUILD.canonical(w.name.split("-")[0]): w for w in (dataset / layout.WHEELS).glob("*.whl")}
+    # ptbr's requirements and what they need, at the lock's versions and hashes
+    assert {"ptbr", "transformers", "tokenizers", "safetensors", "accelerate", "numpy", "huggingface-hub",
+            "pyyaml", "psutil", "tqdm"} <= set(wheels)
+    for name, wheel in wheels.items():
+        if name != "ptbr":
+            assert wheel.name.split("-")[1] == entries[name].version, wheel.name
+            assert BUILD.sha256(wheel) in entries[name].hashes, wheel.name
+    # Kaggle's image brings torch and what only torch needs; fine-tuning's extra is not asked for
+    assert not {"torch", "triton", "sympy", "networkx", "jinja2", "peft", "bitsandbytes"} & set(wheels)
+    assert not [name for name in wheels if name.startswith(("nvidia", "cuda"))]
+    assert info["requirement"] == "ptbr" and info["python"] == LOCAL_PYTHON and info["mode"] == "pretrain"
+    # every file listed with its size and sha256
+    listed = {name: path for name, path in files_of(dataset).items()
+              if name not in (layout.BUNDLE_MARKER, layout.DATASET_METADATA)}
+    assert set(info["files"]) == set(listed)
+    for name, path in listed.items():
+        assert info["files"][name] == {"bytes": path.stat().st_size, "sha256": BUILD.sha256(path)}
+    for name in ("train.bin", "val.bin", "meta.json", "tokenizer.json"):
+        assert (dataset / "data" / name).read_bytes() == (SAMPLE_DIR / name).read_bytes()
+    # the run's settings, with Kaggle's defaults where the config says nothing, and no path of this machine
+    settings = json.loads((dataset / layout.SETTINGS_FILE).read_text())
+    assert settings == {**TINY, "num_processes": "auto", "keep_last": 2}
+    script = (kernel / layout.KERNEL_FILE).read_text()
+    assert f'BUNDLE_ID = "{KERNEL_ID}"\n' in script
+    assert script.replace(f'BUNDLE_ID = "{KERNEL_ID}"\n', 'BUNDLE_ID = ""\n') == (ROOT / "kaggle" / "kernel.py").read_text()
+    metadata = json.loads((kernel / layout.KERNEL_METADATA).read_text())
+    assert metadata["enable_internet"] is False and metadata["enable_gpu"] is True
+    assert metadata["machine_shape"] == "NvidiaTeslaT4" and metadata["is_private"] is True
+    assert metadata["dataset_sources"] == [KERNEL_ID] and metadata["kernel_sources"] == [KERNEL_ID]
+    assert metadata["model_sources"] == [] and metadata["code_file"] == layout.KERNEL_FILE
+
+
+@pytest.fixture(scope="module")
+def kaggle_client(tmp_path_factory):
+    """The kaggle package's KaggleApi, imported with no credentials and a home of its own (it
+    authenticates and creates its config folder at import time)."""
+    home = tmp_path_factory.mktemp("kaggle-home")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("KAGGLE_")]:
+            patch.delenv(name)
+        patch.setenv("HOME", str(home))
+        patch.setenv("KAGGLE_CONFIG_DIR", str(home / ".kaggle"))
+        with contextlib.redirect_stdout(io.StringIO()):
+            from kaggle.api.kaggle_api_extended import KaggleApi
+            from slugify import slugify
+        return KaggleApi(), slugify
+
+
+def check_with_the_client(bundle: Path, kaggle_client) -> None:
+    """The client's own checks of dataset and kernel metadata (those it runs before any request)."""
+    api, slugify = kaggle_client
+    dataset = json.loads(Path(api.get_dataset_metadata_file(str(bundle / layout.DATASET))).read_text())
+    api.validate_dataset_string(dataset["id"])
+    owner, slug = dataset["id"].split("/")
+    api._validate_slug_syntax(slug)
+    api._validate_slug_syntax(owner, allow_underscore=True)
+    assert 6 <= len(slug) <= 50 and 6 <= len(dataset["title"]) <= 50 and len(dataset["licenses"]) == 1
+    assert 20 <= len(dataset["subtitle"]) <= 80 and "INSERT_" not in json.dumps(dataset)
+    kernel = json.loads((bundle / layout.KERNEL / layout.KERNEL_METADATA).read_text())
+    assert api.parse_kernel_string(kernel["id"])[2] is None  # no version in the id
+    assert len(kernel["title"]) >= 5 and slugify(kernel["title"]) == kernel["id"].split("/")[1]
+    assert (bundle / layout.KERNEL / kernel["code_file"]).is_file()
+    assert kernel["language"] in api.valid_push_language_types and kernel["kernel_type"] in api.valid_push_kernel_types
+    for source in kernel["dataset_sources"]:
+        api.validate_dataset_string(source)
+    for source in kernel["kernel_sources"]:
+        api.validate_kernel_string(source)
+    for source in kernel["model_sources"]:
+        api.validate_model_instance_version_string(source)
+    # the client defaults an absent enable_internet to True: it must be there, and false
+    assert api.get_bool(kernel, "enable_internet", True) is False and api.get_bool(kernel, "enable_gpu", False)
+
+
+def test_the_metadata_passes_the_clients_own_checks(tiny_bundle, kaggle_client):
+    check_with_the_client(tiny_bundle, kaggle_client)
+
+
+@pytest.mark.slow
+def test_a_finetuning_bundle_for_kaggles_python_takes_the_right_bitsandbytes(tmp_path, toy, kaggle_client):
+    """Python 3.12 wheels for Kaggle; bitsandbytes from the lock (0.50, manylinux_2_24), not the pure
+    Python 0.42 that a manylinux2014-only download silently picks; a Kaggle-hosted base attached."""
+    out = tmp_path / "bundle"
+    assert main(["kaggle", "bundle", "--output", str(out), "--owner", USERNAME, "--slug", "ptbr-farense-qlora",
+                 "--mode", "finetune", "--data", str(toy.data), "--title", "PTBR Farense QLoRA",
+                 "--base", "kaggle:mistral-ai/mistral/transformers/7b-v0.1/1"]) == 0
+    check_with_the_client(out, kaggle_client)
+    wheels = {w.name for w in (out / "dataset" / "wheels").glob("*.whl")}
+    pins = BUILD.lock_pins(BUILD.LOCKS["kaggle"].path)
+    (bitsandbytes,) = [w for w in wheels if w.startswith("bitsandbytes-")]
+    assert bitsandbytes.split("-")[1] == pins["bitsandbytes"] == "0.50.2" and "manylinux_2_24_x86_64" in bitsandbytes
+    assert any(w.startswith(f"peft-{pins['peft']}-") for w in wheels)
+    assert any(w.startswith("numpy-") and "-cp312-" in w for w in wheels)
+    info = json.loads((out / "dataset" / layout.BUNDLE_MARKER).read_text())
+    assert info["requirement"] == "ptbr[finetune]" and info["python"] == "3.12"
+    assert info["base"] == {"kaggle": "mistral-ai/mistral/transformers/7b-v0.1/1"}
+    assert sorted(f for f in info["files"] if f.startswith("data/")) == ["data/train.jsonl", "data/valid.jsonl"]
+    metadata = json.loads((out / "kernel" / layout.KERNEL_METADATA).read_text())
+    assert metadata["title"] == "PTBR Farense QLoRA" and metadata["id"] == f"{USERNAME}/ptbr-farense-qlora"
+    assert metadata["model_sources"] == ["mistral-ai/mistral/transformers/7b-v0.1/1"]
+    assert metadata["kernel_sources"] == []
+
+    # a local base goes into the bundle, file by file
+    local = tmp_path / "local"
+    assert main(["kaggle", "bundle", "--output", str(local), "--owner", USERNAME, "--slug", "ptbr-farense-local",
+                 "--mode", "finetune", "--data", str(toy.data), "--base", str(toy.base)]) == 0
+    for name, path in files_of(toy.base).items():
+        assert (local / "dataset" / "base" / name).read_bytes() == path.read_bytes()
+    info = json.loads((local / "dataset" / layout.BUNDLE_MARKER).read_text())
+    assert info["base"] == {"folder": "base"}
+    assert json.loads((local / "kernel" / layout.KERNEL_METADATA).read_text())["model_sources"] == []
+
+
+def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp_path, capsys, toy):
+    def refused(args: list[str], code: int) -> str:
+        assert main(["kaggle", "bundle", "--output", str(tmp_path / "b"), *args]) == code
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "b").exists()
+        return err
+
+    err = refused(["--owner", "Ptbr Tester", "--slug", "tiny", "--title", "abc"], 2)
+    assert "3 problems" in err and "--owner" in err and "--slug 'tiny'" in err and "--title 'abc'" in err
+    config = tmp_path / "run.yaml"
+    config.write_text("device: mps\nbackend: mlx\nbatch_size: 0\n")
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
+    assert "batch_size" in err
+    config.write_text("device: mps\nbackend: mlx\n")
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
+    assert "device 'mps' is not on Kaggle" in err and "backend 'mlx' is not on Kaggle" in err
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(toy.data)], 2)
+    assert "fine-tuning needs --base" in err
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(toy.data),
+                   "--base", "mistralai/Mistral-7B-v0.1"], 4)
+    assert "no internet" in err and "kaggle:OWNER/MODEL/FRAMEWORK/VARIATION" in err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "a", "completion": "b"}\nnot json\n')
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(broken),
+                   "--base", "kaggle:o/m/transformers/v"], 3)
+    assert "line 2" in err
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--data", str(tmp_path / "missing")], 3)
+    assert "data directory not found" in err
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    assert main(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", USERNAME, "--slug", SLUG]) == 6
+    assert "is not a bundle" in capsys.readouterr().err and (tmp_path / "b" / "notes.txt").read_text() == "mine"
+
+
+# --- push, status and output through the real client -------------------------------------------------------
+
+
+@pytest.fixture
+def fake(tmp_path):
+    with FakeKaggle() as server:
+        server.home, server.tmp = tmp_path / "home", tmp_path / "tmp"
+        server.home.mkdir()
+        server.tmp.mkdir()
+        yield server
+
+
+def kaggle(fake: FakeKaggle, *args: str, credentials: str = "key") -> subprocess.CompletedProcess:
+    """`ptbr kaggle ARGS` against the fake, with the client's state (HOME, TMPDIR) the test's own."""
+    env = fake.env(str(fake.home), str(fake.tmp), credentials)
+    run = ptbr("kaggle", *args, env=env)
+    for secret in (KEY, TOKEN):
+        assert secret not in run.stdout + run.stderr, "a credential was printed"
+    return run
+
+
+def uploaded_marker(fake: FakeKaggle, dataset: str) -> bytes:
+    return fake.datasets[dataset].versions[-1][layout.BUNDLE_MARKER]
+
+
+@pytest.mark.slow
+def test_push_creates_the_dataset_waits_checks_every_file_then_pushes_the_kernel(fake, tiny_bundle):
+    run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
+    assert run.returncode == 0, run.stderr
+    files = len(json.loads((tiny_bundle / "dataset" / layout.BUNDLE_MARKER).read_text())["files"]) + 1
+    assert f"all {files} files arrived" in run.stderr and "no previous version yet" in run.stderr
+    assert fake.private is True and uploaded_marker(fake, KERNEL_ID) == (
+        tiny_bundle / "dataset" / layout.BUNDLE_MARKER).read_bytes()
+    calls = [call.split("/")[1] for call in fake.calls]
+    create = calls.index("CreateDataset")
+    # asked whether the dataset exists (404), then one upload per file and per folder (a .zip)
+    assert calls[0] == "GetDatasetStatus" and set(calls[1:create]) == {"GetDatasetStatus", "StartBlobUpload"}
+    assert calls[:create].count("StartBlobUpload") == len(list((tiny_bundle / "dataset").iterdir())) - 1
+    assert calls[create + 1:create + 4] == ["GetDatasetStatus"] * 3  # not yet persisted, blobs received, ready
+    assert calls.index("ListDatasetFiles") < calls.index("SaveKernel") and calls[-1] == "SaveKernel"
+    (pushed,) = fake.kernels[KERNEL_ID].pushes
+    assert pushed["enableGpu"] is True and pushed["enableInternet"] is False
+    assert pushed["machineShape"] == "NvidiaTeslaT4" and pushed["datasetDataSources"] == [KERNEL_ID]
+    assert not pushed.get("kernelDataSources"), "the first version has no output of its own to attach"
+    assert pushed["text"] == (tiny_bundle / "kernel" / layout.KERNEL_FILE).read_text()
+    # credentials are in no bundle, and in no upload
+    assert holds(tiny_bundle, KEY) == []
+    assert not [n for n, c in fake.datasets[KERNEL_ID].versions[-1].items() if KEY.encode() in c]
+
+    # the next push: a new version of the dataset; the kernel's previous output is attached
+    fake.calls.clear()
+    run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
+    assert run.returncode == 0, run.stderr
+    methods = [call.split("/")[1] for call in fake.calls]
+    assert "CreateDatasetVersion" in methods and "CreateDataset" not in methods
+    assert len(fake.datasets[KERNEL_ID].versions) == 2
+    assert fake.kernels[KERNEL_ID].pushes[-1]["kernelDataSources"] == [KERNEL_ID]
+    assert "version 2 pushed" in run.stderr
+
+    # a version still running has no output to resume from yet
+    fake.kernels[KERNEL_ID].statuses = ["RUNNING"]
+    run = kaggle(fake, "push", str(tiny_bundle), "--kernel-only")
+    assert run.returncode == 11 and len(fake.kernels[KERNEL_ID].pushes) == 2
+    assert last_error(run.stderr).startswith(f"error: the kernel {KERNEL_ID} is still running")
+
+
+@pytest.mark.slow
+def test_a_dropped_upload_is_detected_and_the_kernel_not_pushed(fake, tiny_bundle):
+    """The client leaves out a file whose PUT fails and still reports the dataset created."""
+    fake.fail_uploads = {"data.zip"}
+    run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
+    assert run.returncode == 11
+    error = last_error(run.stderr)
+    files = len(json.loads((tiny_bundle / "dataset" / layout.BUNDLE_MARKER).read_text())["files"]) + 1
+    assert error.startswith(f"error: the dataset {KERNEL_ID} on Kaggle is not the bundle: 4 of {files} files did "
+                            "not arrive: data/meta.json, data/tokenizer.json, data/train.bin, data/val.bin")
+    assert "push again" in error and "CreateDataset" in " ".join(fake.calls)
+    assert KERNEL_ID not in fake.kernels
+
+
+@pytest.mark.slow
+def test_kaggles_refusals_are_one_line_errors(fake, tiny_bundle):
+    fake.create_status = 'The requested title "ptbr-tiny-run" is already in use by a dataset.'
+    run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
+    assert run.returncode == 11
+    assert last_error(run.stderr).startswith(f"error: Kaggle refused the dataset {KERNEL_ID}: The requested title")
+    fake.create_status = None
+    fake.save_kernel_error = "Notebook is too large"
+    run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
+    assert run.returncode == 11
+    assert last_error(run.stderr).startswith(f"error: Kaggle refused the kernel {KERNEL_ID}: Notebook is too large")
+
+
+def populate(fake: FakeKaggle, bundle: Path) -> None:
+    """The bundle's dataset on the fake Kaggle, as a push leaves it."""
+    dataset = bundle / "dataset"
+    content = {}
+    for top in sorted(dataset.iterdir()):
+        if top.is_dir():
+            buffer = io.BytesIO()
+            with zipfile.ZipFile(buffer, "w") as archive:
+                for name, path in files_of(top).items():
+                    archive.write(path, name)
+            content[f"{top.name}.zip"] = buffer.getvalue()
+        elif top.name != layout.DATASET_METADATA:
+            content[top.name] = top.read_bytes()
+    info = json.loads((dataset / layout.BUNDLE_MARKER).read_text())
+    fake.datasets[info["id"]] = kaggle_fake.Dataset([content])
+
+
+@pytest.mark.slow
+def test_push_kernel_only_checks_the_dataset_and_attaches_the_newest_model_version(fake, tmp_path, toy):
+    out = tmp_path / "bundle"
+    assert main(["kaggle", "bundle", "--output", str(out), "--owner", USERNAME, "--slug", "ptbr-farense-qlora",
+                 "--mode", "finetune", "--data", str(toy.data), "--python-version", LOCAL_PYTHON,
+                 "--base", "kaggle:mistral-ai/mistral/transformers/7b-v0.1"]) == 0
+    fake.models["mistral-ai/mistral/transformers/7b-v0.1"] = 3
+    populate(fake, out)
+    run = kaggle(fake, "push", str(out), "--kernel-only")
+    assert run.returncode == 0, run.stderr
+    assert "attaching its newest version, 3" in run.stderr and "CreateDataset" not in " ".join(fake.calls)
+    (pushed,) = fake.kernels[f"{USERNAME}/ptbr-farense-qlora"].pushes
+    assert pushed["modelDataSources"] == ["mistral-ai/mistral/transformers/7b-v0.1/3"]
+    assert json.loads((out / "kernel" / layout.KERNEL_METADATA).read_text())["model_sources"] == [
+        "mistral-ai/mistral/transformers/7b-v0.1/3"], "the bundle records the version pushed"
+    # a dataset on Kaggle that is not this bundle is not pushed against
+    fake.datasets[f"{USERNAME}/ptbr-farense-qlora"].versions[-1].pop("wheels.zip")
+    run = kaggle(fake, "push", str(out), "--kernel-only")
+    assert run.returncode == 11 and "files did not arrive: wheels/" in last_error(run.stderr)
+
+
+@pytest.mark.slow
+def test_credentials_missing_or_refused_are_one_line_naming_where_kaggle_looks(fake, tiny_bundle):
+    run = kaggle(fake, "status", str(tiny_bundle), credentials="none")
+    assert run.returncode == 2 and run.stdout == ""  # not the client's help text
+    error = last_error(run.stderr)
+    assert error.startswith("error: no Kaggle credentials found (Kaggle looks in KAGGLE_API_TOKEN")
+    assert "~/.kaggle/access_token" in error and "kaggle.json" in error and "KAGGLE_USERNAME" in error
+    assert "https://www.kaggle.com/settings/api" in error and fake.calls == []
+    run = kaggle(fake, "status", str(tiny_bundle), credentials="key:wrong-key")
+    assert run.returncode == 2
+    assert last_error(run.stderr).startswith("error: Kaggle refused the credentials from KAGGLE_USERNAME and "
+                                             "KAGGLE_KEY (HTTP 401)")
+    run = kaggle(fake, "status", str(tiny_bundle), credentials="token:not-a-valid-token")
+    assert run.returncode == 2
+    assert last_error(run.stderr).startswith("error: Kaggle did not accept the token in KAGGLE_API_TOKEN")
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
+    run = kaggle(fake, "status", str(tiny_bundle), credentials="token")
+    assert run.returncode == 0 and run.stdout == f"{KERNEL_ID}: running\n"
+
+
+@pytest.mark.slow
+def test_status_follows_the_kernel_and_a_failed_kernel_is_an_error(fake, tiny_bundle):
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["QUEUED", "RUNNING", "RUNNING", "COMPLETE"])
+    run = kaggle(fake, "status", str(tiny_bundle), "--wait", "--poll-seconds", "0.01")
+    assert run.returncode == 0 and run.stdout.splitlines() == [f"{KERNEL_ID}: {s}" for s in ("queued", "running",
+                                                                                               "complete")]
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["ERROR"], failure_message="Your notebook tried to "
+                                                 "allocate more memory than is available.")
+    run = kaggle(fake, "status", str(tiny_bundle))
+    assert run.returncode == 11 and run.stdout == f"{KERNEL_ID}: error\n"
+    assert last_error(run.stderr).startswith(f"error: the kernel {KERNEL_ID} failed: Your notebook tried to allocate")
+    assert "fetches its log" in last_error(run.stderr)
+    run = kaggle(fake, "status", str(tiny_bundle.parent / "nothing"))
+    assert run.returncode == 2 and "not a ptbr Kaggle bundle" in last_error(run.stderr)
+
+
+@pytest.mark.slow
+def test_output_downloads_every_file_and_the_log_or_nothing(fake, tiny_bundle, tmp_path):
+    record = {"bundle": KERNEL_ID, "stages": {"environment": "ok", "train": "ok"}, "exit_code": 0}
+    outputs = {layout.RUN_MARKER: json.dumps(record).encode(), "run/train.log": b"step 1/24 | loss 7.6\n",
+               "run/preflight_report.json": json.dumps({"checks": [{"status": "pass"}, {"status": "warn"}]}).encode(),
+               "run/checkpoints/step_000001/model.safetensors": bytes(range(256)) * 40}
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(outputs=outputs, log="[ptbr-kernel] environment: ...\n")
+    target = tmp_path / "outputs"
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))
+    assert run.returncode == 0, run.stderr
+    assert {name: path.read_bytes() for name, path in files_of(target).items()} == {
+        **outputs, f"{SLUG}.log": b"[ptbr-kernel] environment: ...\n"}
+    assert "kernel: environment ok, train ok; exit code 0" in run.stdout and "preflight: 1 pass, 1 warn" in run.stdout
+    # again: the previous download is replaced whole; a file Kaggle cannot serve leaves it as it was
+    fake.missing_outputs = {"run/train.log"}
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))
+    assert run.returncode == 11 and "run/train.log" in last_error(run.stderr) and "404" in last_error(run.stderr)
+    assert (target / "run" / "train.log").read_bytes() == outputs["run/train.log"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(mine))
+    assert run.returncode == 2 and (mine / "notes.txt").read_text() == "keep"
+
+
+# --- the kernel, run here ------------------------------------------------------------------------------------
+
+
+def kernel_env(root: Path) -> dict[str, str]:
+    """What a kernel sees: $KAGGLE_ROOT, no pip configuration and no PIP_* variable (no index)."""
+    keep = ("PATH", "LANG", "LC_ALL", "SYSTEMROOT")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env.update(KAGGLE_ROOT=str(root), PIP_CONFIG_FILE=os.devnull, HOME=str(root / "home"), TMPDIR=str(root / "tmp"),
+               KAGGLE_KERNEL_RUN_TYPE="Batch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    (root / "home").mkdir(parents=True, exist_ok=True)
+    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    (root / "working").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def run_kernel(python: Path, bundle: Path, root: Path, stop_when: str | None = None) -> tuple[int, str]:
+    """The bundle's kernel script as Kaggle runs it (cwd /kaggle/working); with `stop_when`, SIGTERM
+    once a line holding it is printed, as Kaggle ending the session does."""
+    env = kernel_env(root)
+    process = subprocess.Popen([str(python), str(bundle / "kernel" / layout.KERNEL_FILE)], cwd=root / "working",
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if stop_when and stop_when in line:
+            process.send_signal(signal.SIGTERM)
+            stop_when = None
+    return process.wait(timeout=900), "".join(lines)
+
+
+def make_venv(folder: Path, with_torch: bool) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True, capture_output=True)
+    python = folder / "bin" / "python"
+    if with_torch:
+        torch = f"torch=={BUILD.TORCH_VERSION}+cpu"
+        index = [] if BUILD.local_torch_cpu_dirs() else ["--extra-index-url", BUILD.TORCH_CPU_INDEX]
+        # pip's configuration on this machine points at the local CPU wheel; the kernel's install does without it
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-compile",
+                        "--disable-pip-version-check", torch, *index], check=True, capture_output=True)
+    return python
+
+
+@pytest.fixture(scope="module")
+def torch_venv(tmp_path_factory) -> Path:
+    return make_venv(tmp_path_factory.mktemp("kernel") / "venv", with_torch=True)
+
+
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory) -> Path:
+    """Python without torch: what the kernel installs into is thrown away with it."""
+    return make_venv(tmp_path_factory.mktemp("bare") / "venv", with_torch=False)
+
+
+def attach(source: Path, target: Path) -> None:
+    """A copy of `source` at `target`, read-only as Kaggle mounts inputs."""
+    shutil.copytree(source, target)
+    for path in [target, *target.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+
+
+def unlock(root: Path) -> None:
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+@pytest.mark.slow
+def test_the_kernel_trains_stops_on_sigterm_and_the_next_version_resumes(torch_venv, tiny_bundle, tmp_path):
+    # first version: the dataset where older sessions mount it, /kaggle/input/SLUG; the session ends mid-run
+    first = tmp_path / "first"
+    attach(tiny_bundle / "dataset", first / "input" / SLUG)
+    code, log = run_kernel(torch_venv, tiny_bundle, first, stop_when="step 2/24")
+    working = first / "working"
+    assert code == 130, log
+    for stage in ("environment", "bundle", "install", "resume", "preflight", "train"):
+        assert f"[ptbr-kernel] {stage}: " in log, stage
+    assert "--no-index --find-links" in log and "Requirement already satisfied: torch" in log
+    assert "got SIGTERM: asking ptbr to save a checkpoint and stop" in log
+    assert (working / "run" / "preflight_report.json").is_file()
+    record = json.loads((working / layout.RUN_MARKER).read_text())
+    assert record["stages"] == {"environment": "ok", "bundle": "ok", "install": "ok", "resume": "ok",
+                                "preflight": "ok", "train": "stopped"} and record["train_exit_code"] == 130
+    steps = sorted(int(p.name.split("_")[1]) for p in (working / "run" / "checkpoints").glob("step_*"))
+    assert steps and steps[-1] < TINY["max_steps"], log
+    assert len(steps) <= 2, "keep_last 2: the bundle's default for Kaggle's 20 GB"
+    stopped_at = steps[-1]
+
+    # next version: the dataset where newer sessions mount it, and the first version's output attached
+    second = tmp_path / "second"
+    attach(tiny_bundle / "dataset", second / "input" / "datasets" / USERNAME / SLUG)
+    attach(working, second / "input" / SLUG)
+    code, log = run_kernel(torch_venv, tiny_bundle, second)
+    unlock(second / "input")
+    assert code == 0, log
+    run_dir = second / "working" / "run"
+    assert f"resume: copied the previous version's run from {second / 'input' / SLUG / 'run'}" in log
+    assert f"resuming from {run_dir / 'checkpoints' / f'step_{stopped_at:06d}'} (step {stopped_at})" in log
+    assert json.loads((run_dir / "training_summary.json").read_text())["steps"] == TINY["max_steps"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, TINY["max_steps"] + 1)), \
+        "both sessions' steps, each once"
+    assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "preflight_report.json").is_file()
+    record = json.loads((second / "working" / layout.RUN_MARKER).read_text())
+    assert record["resumed_from"] == str(second / "input" / SLUG / "run") and record["exit_code"] == 0
+    assert holds(second / "working", KEY) == []
+
+
+def test_a_failed_kernel_names_its_stage(tmp_path, tiny_bundle, bare_venv):
+    # nothing attached
+    code, log = run_kernel(bare_venv, tiny_bundle, tmp_path / "empty")
+    assert code == 1 and f"[ptbr-kernel] FAILED at stage bundle: no bundle {KERNEL_ID} (ptbr-bundle.json)" in log
+    record = json.loads((tmp_path / "empty" / "working" / layout.RUN_MARKER).read_text())
+    assert record["stages"] == {"environment": "ok", "bundle": "failed"} and record["exit_code"] == 1
+    # a wheel that did not arrive whole
+    root = tmp_path / "truncated"
+    shutil.copytree(tiny_bundle / "dataset", root / "input" / SLUG)
+    wheel = next((root / "input" / SLUG / "wheels").glob("transformers-*.whl"))
+    wheel.write_bytes(wheel.read_bytes()[:1000])
+    code, log = run_kernel(bare_venv, tiny_bundle, root)
+    assert code == 1 and f"FAILED at stage bundle: the bundle at {root / 'input' / SLUG} is incomplete: " \
+                         f"wheels/{wheel.name} has 1000 bytes" in log
+
+
+def test_a_kernel_whose_install_fails_says_so(tmp_path, tiny_bundle, bare_venv):
+    """Without torch (Kaggle's image has it; the bundle does not), pip cannot install ptbr offline."""
+    root = tmp_path / "kaggle"
+    shutil.copytree(tiny_bundle / "dataset", root / "input" / "datasets" / USERNAME / SLUG)
+    code, log = run_kernel(bare_venv, tiny_bundle, root)
+    assert code == 1 and "[ptbr-kernel] FAILED at stage install: pip exited with 1" in log
+    assert "torch" in log
+
+
+def test_the_kernel_finds_a_kaggle_model_by_its_path_not_one_layout(tmp_path):
+    inputs = tmp_path / "input"
+    for folder in ("mistral/transformers/7b-v0.1/1", "mistral/transformers/7b-v0.1/2", "other/transformers/x/1",
+                   "ptbr-farense/base", "previous-kernel/run/final"):
+        (inputs / folder).mkdir(parents=True)
+        (inputs / folder / "config.json").write_text("{}")
+    (inputs / "previous-kernel" / layout.RUN_MARKER).write_text("{}")
+    info = {"base": {"kaggle": "mistral-ai/mistral/transformers/7b-v0.1/2"}}
+    bundle = inputs / "ptbr-farense"
+    assert KERNEL.find_base(inputs, info, {}, exclude=bundle) == inputs / "mistral/transformers/7b-v0.1/2"
+    info = {"base": {"kaggle": "mistral-ai/mistral/transformers/7b-v0.1"}}
+    assert KERNEL.find_base(inputs, info, {}, exclude=bundle) in (inputs / "mistral/transformers/7b-v0.1/1",
+                                                                  inputs / "mistral/transformers/7b-v0.1/2")
+    with pytest.raises(KERNEL.StageFailed, match="the Kaggle model o/gemma/transformers/2b is not under"):
+        KERNEL.find_base(inputs, {"base": {"kaggle": "o/gemma/transformers/2b"}}, {}, exclude=bundle)
+    # a folder kept as the .zip it was sent as is unpacked and checked
+    dataset = tmp_path / "dataset"
+    (dataset / "wheels").mkdir(parents=True)
+    (dataset / "wheels" / "a-1-py3-none-any.whl").write_bytes(b"wheel")
+    with zipfile.ZipFile(dataset / "data.zip", "w") as archive:
+        archive.writestr("train.jsonl", "{}\n")
+    info = {"folders": ["data", "wheels"], "files": {
+        "wheels/a-1-py3-none-any.whl": {"bytes": 5, "sha256": KERNEL.sha256(dataset / "wheels" / "a-1-py3-none-any.whl")},
+        "data/train.jsonl": {"bytes": 3, "sha256": ""}}}
+    folders = KERNEL.check_bundle(dataset, info, tmp_path / "scratch")
+    assert folders == {"data": tmp_path / "scratch" / "data", "wheels": dataset / "wheels"}

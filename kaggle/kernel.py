@@ -17,6 +17,7 @@ kernel's log names the stage:
                its run under /kaggle/input, read-only: its files are copied to /kaggle/working/run,
                where `--resume auto` continues from its newest intact checkpoint.
   preflight    ptbr preflight with the run's settings: preflight_report.json in the run directory.
+               ptbr runs offline (HF_HUB_OFFLINE=1), with the bundle's --env variables.
   train        ptbr train or ptbr finetune into /kaggle/working/run (both T4s: the settings say
                num_processes auto). SIGTERM/SIGINT are passed on once: ptbr saves a checkpoint at
                the next step boundary and exits 130. Before Kaggle's 12-hour limit the kernel asks
@@ -101,7 +102,10 @@ def main() -> int:
         stage = "preflight"
         base = find_base(inputs, info, folders, exclude=bundle)
         paths = run_paths(bundle, info, folders, base, run_dir)
-        preflight = run_ptbr(stage, ["preflight", "--mode", info["mode"], *paths])
+        env = ptbr_environment(info)
+        if info.get("env"):
+            log(f"{stage}: ptbr runs with {' '.join(f'{k}={v}' for k, v in info['env'].items())} (the bundle's --env)")
+        preflight = run_ptbr(stage, ["preflight", "--mode", info["mode"], *paths], env)
         if preflight != 0:
             raise StageFailed(f"ptbr preflight exited with {preflight} (see {run_dir / 'preflight_report.json'} "
                               "and the lines above); fix the settings and bundle again")
@@ -110,7 +114,7 @@ def main() -> int:
         stage = "train"
         command = "train" if info["mode"] == "pretrain" else "finetune"
         budget = float(info["stop_after_s"]) - (time.monotonic() - started)
-        code, stopped_by_budget = train(stage, [command, *paths, "--resume", "auto"], budget)
+        code, stopped_by_budget = train(stage, [command, *paths, "--resume", "auto"], env, budget)
         record["train_exit_code"] = code
         if code == 0:
             log(f"{stage}: done; the run is in {run_dir}")
@@ -360,20 +364,30 @@ def run_paths(bundle: Path, info: dict, folders: dict[str, Path], base: Path | N
     return paths
 
 
-def run_ptbr(stage: str, args: list[str]) -> int:
+# The internet is off: ptbr loads only local files, and the libraries under it must not wait on the
+# network (Hugging Face's hub would retry before failing).
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def ptbr_environment(info: dict) -> dict[str, str]:
+    """The environment of ptbr's processes: this one's, offline, and the bundle's --env settings."""
+    return {**os.environ, **OFFLINE, **info.get("env", {})}
+
+
+def run_ptbr(stage: str, args: list[str], env: dict[str, str]) -> int:
     command = [sys.executable, "-m", "ptbr", *args]
     log(f"{stage}: {' '.join(command)}")
-    return subprocess.run(command).returncode
+    return subprocess.run(command, env=env).returncode
 
 
-def train(stage: str, args: list[str], budget_s: float) -> tuple[int, bool]:
+def train(stage: str, args: list[str], env: dict[str, str], budget_s: float) -> tuple[int, bool]:
     """Run `ptbr ARGS`; a SIGTERM/SIGINT to this kernel, or the time budget running out, is passed on
     to it once. Returns its exit code and whether the budget stopped it."""
     command = [sys.executable, "-m", "ptbr", *args]
     log(f"{stage}: {' '.join(command)}")
     # A session of its own: a signal Kaggle sends to the whole process group reaches ptbr once,
     # through forward(), not twice (a second SIGINT would stop it without saving).
-    child = subprocess.Popen(command, start_new_session=True)
+    child = subprocess.Popen(command, env=env, start_new_session=True)
     stop = threading.Event()
     by_budget = threading.Event()
 

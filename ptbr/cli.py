@@ -177,6 +177,9 @@ def add_kaggle_actions(parser: argparse.ArgumentParser, common: argparse.Argumen
     p.add_argument("--stop-after-hours", type=float, default=default("stop_after_hours"),
                    help="the kernel stops training (a checkpoint saved) this long after it starts, before Kaggle "
                    f"ends a GPU session at 12 h (default: {default('stop_after_hours')})")
+    p.add_argument("--env", action="append", metavar="NAME=VALUE",
+                   help="an environment variable for ptbr's processes in the kernel, repeatable: e.g. "
+                   "NCCL_P2P_DISABLE=1 where two T4s hang at their first collective (no credentials)")
 
     p = action("push", "upload the bundle's dataset (new, or a new version), check every file arrived, push the kernel")
     p.add_argument("bundle", metavar="BUNDLE", help="the folder `ptbr kaggle bundle` wrote")

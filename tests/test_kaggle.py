@@ -80,7 +80,7 @@ def tiny_bundle(tmp_path_factory) -> Path:
     out = folder / "bundle"
     assert main(["kaggle", "bundle", "--output", str(out), "--owner", USERNAME, "--slug", SLUG, "--data",
                  str(SAMPLE_DIR), "--config", str(config), "--python-version", LOCAL_PYTHON,
-                 "--resume-from-previous"]) == 0
+                 "--resume-from-previous", "--env", "NCCL_P2P_DISABLE=1"]) == 0
     return out
 
 
@@ -107,6 +107,7 @@ def test_a_pretraining_bundle_holds_the_locked_wheels_without_torch_and_no_local
     assert not {"torch", "triton", "sympy", "networkx", "jinja2", "peft", "bitsandbytes"} & set(wheels)
     assert not [name for name in wheels if name.startswith(("nvidia", "cuda"))]
     assert info["requirement"] == "ptbr" and info["python"] == LOCAL_PYTHON and info["mode"] == "pretrain"
+    assert info["env"] == {"NCCL_P2P_DISABLE": "1"} and info["stop_after_s"] == 11.5 * 3600
     # every file listed with its size and sha256
     listed = {name: path for name, path in files_of(dataset).items()
               if name not in (layout.BUNDLE_MARKER, layout.DATASET_METADATA)}
@@ -216,8 +217,11 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
         assert not (tmp_path / "b").exists()
         return err
 
-    err = refused(["--owner", "Ptbr Tester", "--slug", "tiny", "--title", "abc"], 2)
-    assert "3 problems" in err and "--owner" in err and "--slug 'tiny'" in err and "--title 'abc'" in err
+    err = refused(["--owner", "Ptbr Tester", "--slug", "tiny", "--title", "abc", "--env", "KAGGLE_KEY=x",
+                   "--env", "HF_TOKEN=y", "--env", "nonsense", "--stop-after-hours", "13"], 2)
+    assert "7 problems" in err and "--owner" in err and "--slug 'tiny'" in err and "--title 'abc'" in err
+    assert "--env KAGGLE_KEY: a bundle holds no credentials" in err and "--env HF_TOKEN" in err
+    assert "--env 'nonsense' is not NAME=VALUE" in err and "--stop-after-hours must be within (0, 12]" in err
     config = tmp_path / "run.yaml"
     config.write_text("device: mps\nbackend: mlx\nbatch_size: 0\n")
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
@@ -512,6 +516,7 @@ def test_the_kernel_trains_stops_on_sigterm_and_the_next_version_resumes(torch_v
         assert f"[ptbr-kernel] {stage}: " in log, stage
     assert "--no-index --find-links" in log and "Requirement already satisfied: torch" in log
     assert "got SIGTERM: asking ptbr to save a checkpoint and stop" in log
+    assert "preflight: ptbr runs with NCCL_P2P_DISABLE=1 (the bundle's --env)" in log
     assert (working / "run" / "preflight_report.json").is_file()
     record = json.loads((working / layout.RUN_MARKER).read_text())
     assert record["stages"] == {"environment": "ok", "bundle": "ok", "install": "ok", "resume": "ok",

@@ -14,7 +14,8 @@ def main(args) -> int:
         make_bundle(BundleSettings(
             output=args.output, owner=args.owner, slug=args.slug, mode=args.mode, data=args.data, config=args.config,
             base=args.base, title=args.title, python_version=args.python_version,
-            resume_from_previous=args.resume_from_previous, stop_after_hours=args.stop_after_hours))
+            resume_from_previous=args.resume_from_previous, stop_after_hours=args.stop_after_hours,
+            env=tuple(args.env or ())))
         return 0
 
     from ptbr.kaggle import remote

@@ -66,6 +66,9 @@ KAGGLE_DEVICES = ("auto", "cuda", "cpu")
 KAGGLE_BACKENDS = ("auto", "torch")
 # Never bundled: Kaggle's image ships a CUDA build of torch, with the libraries only it needs.
 LEFT_TO_KAGGLE = "torch"
+# --env: a variable's name, and the names a credential goes by (refused: a bundle is uploaded).
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SECRET_NAME = re.compile(r"KAGGLE|TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
 # The platform pyproject's markers are read for: Kaggle's machines.
 KAGGLE_MARKERS = {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
                   "os_name": "posix", "implementation_name": "cpython"}
@@ -86,6 +89,7 @@ class BundleSettings:
     python_version: str = KAGGLE_PYTHON
     resume_from_previous: bool = False
     stop_after_hours: float = STOP_AFTER_HOURS
+    env: tuple[str, ...] = ()  # NAME=VALUE for ptbr's processes in the kernel, e.g. NCCL_P2P_DISABLE=1
 
     @property
     def id(self) -> str:
@@ -104,7 +108,16 @@ class BundleSettings:
                          f"{self.stop_after_hours!r}")
         if self.mode == "pretrain" and self.base:
             found.append("--base is for --mode finetune")
+        for setting in self.env:
+            name = setting.split("=", 1)[0]
+            if "=" not in setting or not ENV_NAME.match(name):
+                found.append(f"--env {setting!r} is not NAME=VALUE")
+            elif SECRET_NAME.search(name):
+                found.append(f"--env {name}: a bundle holds no credentials (the kernel needs none)")
         return found
+
+    def environment(self) -> dict[str, str]:
+        return dict(setting.split("=", 1) for setting in self.env)
 
 
 @dataclass(frozen=True)
@@ -347,6 +360,7 @@ def fill_dataset(folder: Path, settings: BundleSettings, plan: Plan, wheels: dic
         "base": plan.base,
         "resume_from_previous": settings.resume_from_previous,
         "stop_after_s": round(settings.stop_after_hours * 3600),
+        "env": settings.environment(),
         "log_versions": sorted({"ptbr", LEFT_TO_KAGGLE, *requirements}),
         "files": files,
     }

@@ -114,7 +114,8 @@ def main() -> int:
         stage = "train"
         command = "train" if info["mode"] == "pretrain" else "finetune"
         budget = float(info["stop_after_s"]) - (time.monotonic() - started)
-        code, stopped_by_budget = train(stage, [command, *paths, "--resume", "auto"], env, budget)
+        code, stopped_by_budget = train(stage, [sys.executable, "-m", "ptbr", command, *paths, "--resume", "auto"],
+                                        env, budget)
         record["train_exit_code"] = code
         if code == 0:
             log(f"{stage}: done; the run is in {run_dir}")
@@ -380,10 +381,9 @@ def run_ptbr(stage: str, args: list[str], env: dict[str, str]) -> int:
     return subprocess.run(command, env=env).returncode
 
 
-def train(stage: str, args: list[str], env: dict[str, str], budget_s: float) -> tuple[int, bool]:
-    """Run `ptbr ARGS`; a SIGTERM/SIGINT to this kernel, or the time budget running out, is passed on
-    to it once. Returns its exit code and whether the budget stopped it."""
-    command = [sys.executable, "-m", "ptbr", *args]
+def train(stage: str, command: list[str], env: dict[str, str], budget_s: float) -> tuple[int, bool]:
+    """Run the training command; a SIGTERM/SIGINT to this kernel, or the time budget running out, is
+    passed on to it once. Returns its exit code and whether the budget stopped it."""
     log(f"{stage}: {' '.join(command)}")
     # A session of its own: a signal Kaggle sends to the whole process group reaches ptbr once,
     # through forward(), not twice (a second SIGINT would stop it without saving).

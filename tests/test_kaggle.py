@@ -328,7 +328,7 @@ def test_a_dropped_upload_is_detected_and_the_kernel_not_pushed(fake, tiny_bundl
 
 
 @pytest.mark.slow
-def test_kaggles_refusals_are_one_line_errors(fake, tiny_bundle):
+def test_kaggles_refusals_are_one_line_errors(fake, tiny_bundle, tmp_path):
     fake.create_status = 'The requested title "ptbr-tiny-run" is already in use by a dataset.'
     run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
     assert run.returncode == 11
@@ -338,6 +338,16 @@ def test_kaggles_refusals_are_one_line_errors(fake, tiny_bundle):
     run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
     assert run.returncode == 11
     assert last_error(run.stderr).startswith(f"error: Kaggle refused the kernel {KERNEL_ID}: Notebook is too large")
+    # a bundle made for another account is refused before anything is sent
+    other = tmp_path / "other"
+    shutil.copytree(tiny_bundle, other)
+    metadata = json.loads((other / "dataset" / layout.DATASET_METADATA).read_text())
+    (other / "dataset" / layout.DATASET_METADATA).write_text(json.dumps({**metadata, "id": "someone-else/" + SLUG}))
+    fake.calls.clear()
+    run = kaggle(fake, "push", str(other))
+    assert run.returncode == 2 and fake.calls == []
+    assert last_error(run.stderr).startswith(f"error: the bundle is for the Kaggle user someone-else, but the "
+                                             f"credentials are {USERNAME}'s")
 
 
 def populate(fake: FakeKaggle, bundle: Path) -> None:
@@ -400,6 +410,8 @@ def test_credentials_missing_or_refused_are_one_line_naming_where_kaggle_looks(f
 
 @pytest.mark.slow
 def test_status_follows_the_kernel_and_a_failed_kernel_is_an_error(fake, tiny_bundle):
+    run = kaggle(fake, "status", str(tiny_bundle))
+    assert run.returncode == 11 and last_error(run.stderr).startswith(f"error: Kaggle has no kernel {KERNEL_ID}")
     fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["QUEUED", "RUNNING", "RUNNING", "COMPLETE"])
     run = kaggle(fake, "status", str(tiny_bundle), "--wait", "--poll-seconds", "0.01")
     assert run.returncode == 0 and run.stdout.splitlines() == [f"{KERNEL_ID}: {s}" for s in ("queued", "running",
@@ -597,3 +609,44 @@ def test_the_kernel_finds_a_kaggle_model_by_its_path_not_one_layout(tmp_path):
         "data/train.jsonl": {"bytes": 3, "sha256": ""}}}
     folders = KERNEL.check_bundle(dataset, info, tmp_path / "scratch")
     assert folders == {"data": tmp_path / "scratch" / "data", "wheels": dataset / "wheels"}
+
+
+CHILD = """
+import signal, sys, time
+from pathlib import Path
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+Path(sys.argv[1]).write_text("ready")
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.5)  # a second SIGTERM would arrive meanwhile
+sys.exit(130 if len(got) == 1 else 100 + len(got))
+"""
+
+
+def test_the_kernel_passes_one_sigterm_on_and_stops_training_when_its_time_is_up(tmp_path):
+    """ptbr saves and exits 130 on the first SIGTERM and stops at once on a second: the kernel sends
+    exactly one, for its time budget or for Kaggle's signals, however many arrive."""
+    import threading
+    import time
+
+    ready = tmp_path / "ready"
+    command = [sys.executable, "-c", CHILD, str(ready)]
+    before = signal.getsignal(signal.SIGTERM)
+    assert KERNEL.train("train", command, dict(os.environ), budget_s=0.5) == (130, True)
+
+    ready.unlink()
+
+    def kaggle_ends_the_session() -> None:
+        while not ready.exists():
+            time.sleep(0.01)
+        for _ in range(3):  # the signal may reach the kernel more than once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=kaggle_ends_the_session)
+    thread.start()
+    assert KERNEL.train("train", command, dict(os.environ), budget_s=600) == (130, False)
+    thread.join()
+    assert signal.getsignal(signal.SIGTERM) is before, "the kernel's handlers last as long as training"

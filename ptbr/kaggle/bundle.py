@@ -59,7 +59,8 @@ from ptbr.kaggle.layout import (
 )
 from ptbr.log import log
 
-# Settings that name files on this machine: the kernel passes its own (--data, --base, --output).
+# Settings that name files on this machine, and resume: the kernel passes its own (--data, --base,
+# --output, --resume auto).
 LOCAL_PATHS = ("data", "valid", "tokenizer", "base", "output", "resume")
 # What Kaggle's kernels can use: CUDA (or the CPU), through torch.
 KAGGLE_DEVICES = ("auto", "cuda", "cpu")

@@ -227,7 +227,10 @@ def status(path: str, wait: bool = False, waiting: Waiting = Waiting()) -> str:
     kernel = bundle.kernel_id
     shown = None
     while True:
-        response = call(api, f"ask about the kernel {kernel}", api.kernels_status, kernel)
+        response = call(api, f"ask about the kernel {kernel}", api.kernels_status, kernel, absent_ok=True)
+        if response is None:
+            raise KaggleError(f"Kaggle has no kernel {kernel}", str(bundle.path),
+                              f"push it first: ptbr kaggle push {bundle.path}")
         state = (getattr(response.status, "name", None) or str(response.status)).lower()
         if state != shown:
             print(f"{kernel}: {state}", flush=True)
@@ -280,7 +283,7 @@ def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> 
     """Each file Kaggle lists for the kernel's newest version, checked (an error page is not saved as
     an output, a name cannot leave `folder`), then its log."""
     import requests
-    from kagglesdk.kernels.types.kernels_api_service import ApiListKernelSessionOutputRequest
+    from kaggle.api.kaggle_api_extended import ApiListKernelSessionOutputRequest
 
     owner, slug = kernel.split("/")
     count, token, log_text = 0, None, None
@@ -314,11 +317,19 @@ def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> 
     return count
 
 
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def summarize(folder: Path) -> None:
-    """What the kernel left, in a few lines: how it ended, the preflight verdict, the training summary."""
-    record_file = folder / RUN_MARKER
-    if record_file.is_file():
-        record = json.loads(record_file.read_text(encoding="utf-8"))
+    """What the kernel left, in a few lines: how it ended, the preflight verdict, the training summary
+    (a file that is missing or unreadable is said to be, never a crash)."""
+    record = read_json(folder / RUN_MARKER)
+    if record is not None:
         stages = ", ".join(f"{name} {state}" for name, state in record.get("stages", {}).items())
         print(f"kernel: {stages}; exit code {record.get('exit_code')}"
               + (f"; failure: {record['failure']}" if record.get("failure") else ""))
@@ -327,11 +338,12 @@ def summarize(folder: Path) -> None:
               "see the log")
     run_dir = folder / RUN_DIR
     preflight = run_dir / "preflight_report.json"
-    if preflight.is_file():
-        report = json.loads(preflight.read_text(encoding="utf-8"))
+    report = read_json(preflight)
+    if report is not None:
         counts = {}
-        for check in report.get("checks", []):
-            counts[check.get("status")] = counts.get(check.get("status"), 0) + 1
+        for check in report.get("checks", []) if isinstance(report.get("checks"), list) else []:
+            status = check.get("status") if isinstance(check, dict) else None
+            counts[status] = counts.get(status, 0) + 1
         print(f"preflight: {counts.get('pass', 0)} pass, {counts.get('warn', 0)} warn, {counts.get('fail', 0)} fail "
               f"({preflight})")
     summary = run_dir / "training_summary.json"

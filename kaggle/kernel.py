@@ -107,6 +107,7 @@ def main() -> int:
             log(f"{stage}: ptbr runs with {' '.join(f'{k}={v}' for k, v in info['env'].items())} (the bundle's --env)")
         preflight = run_ptbr(stage, ["preflight", "--mode", info["mode"], *paths], env)
         if preflight != 0:
+            code = preflight  # 10: a check failed
             raise StageFailed(f"ptbr preflight exited with {preflight} (see {run_dir / 'preflight_report.json'} "
                               "and the lines above); fix the settings and bundle again")
         record["stages"][stage] = "ok"
@@ -119,17 +120,17 @@ def main() -> int:
         record["train_exit_code"] = code
         if code == 0:
             log(f"{stage}: done; the run is in {run_dir}")
-        elif code == EXIT_INTERRUPTED and stopped_by_budget:
-            log(f"{stage}: stopped before Kaggle's session limit with a checkpoint saved; push again "
-                "(`ptbr kaggle push BUNDLE`, bundled with --resume-from-previous) to continue from it")
-            code = 0
+            record["stages"][stage] = "ok"
         elif code == EXIT_INTERRUPTED:
-            log(f"{stage}: stopped by a signal (the session ended?); the checkpoint saved before the stop is in "
-                f"{run_dir / 'checkpoints'}")
+            record["stages"][stage] = "stopped"
+            if stopped_by_budget:  # a clean end: the output is kept, and the next version resumes from it
+                code = 0
+            why = "before Kaggle's session limit" if stopped_by_budget else "by a signal (the session ended?)"
+            log(f"{stage}: stopped {why}, with a checkpoint in {run_dir / 'checkpoints'}; to continue: ptbr kaggle "
+                "push BUNDLE --kernel-only (a bundle made with --resume-from-previous)")
         else:
             raise StageFailed(f"ptbr {command} exited with {code} (its error line is above and in "
                               f"{run_dir / 'train.log'})")
-        record["stages"][stage] = "ok" if code == 0 else "stopped"
     except StageFailed as failure:
         record["stages"][stage] = "failed"
         record["failure"] = str(failure)

@@ -223,9 +223,9 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
     assert "--env KAGGLE_KEY: a bundle holds no credentials" in err and "--env HF_TOKEN" in err
     assert "--env 'nonsense' is not NAME=VALUE" in err and "--stop-after-hours must be within (0, 12]" in err
     config = tmp_path / "run.yaml"
-    config.write_text("device: mps\nbackend: mlx\nbatch_size: 0\n")
+    config.write_text("device: mps\nbackend: mlx\nbatch_size: 0\nbase: models/x\n")
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
-    assert "batch_size" in err
+    assert "batch_size" in err and "unknown key 'base'" in err  # as `ptbr train --config` says
     config.write_text("device: mps\nbackend: mlx\n")
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
     assert "device 'mps' is not on Kaggle" in err and "backend 'mlx' is not on Kaggle" in err

@@ -34,7 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptbr.config import MODES, build_settings, read_config_file
+from ptbr.config import MODES, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError, DataError, KaggleError, ModelError, OutputError, collect
 from ptbr.files import file_sha256, write_directory, write_json, write_text
 from ptbr.kaggle.checkout import checkout_root, load_build_script
@@ -163,7 +163,9 @@ def plan_contents(settings: BundleSettings) -> Plan:
     cls = MODES[settings.mode]
     file_values = read_config_file(settings.config) if settings.config else {}
     file_values = {str(key).replace("-", "_"): value for key, value in file_values.items()}
-    values = {key: value for key, value in file_values.items() if key not in LOCAL_PATHS}
+    # (a key the run does not know, a path or not, is left in: the check below names it)
+    names = {f.name for f, _ in settings_fields(cls)}
+    values = {key: value for key, value in file_values.items() if key not in LOCAL_PATHS or key not in names}
     for key, value in KAGGLE_RUN_DEFAULTS.items():
         values.setdefault(key, value)
     # A fine-tuning run needs a base and data; the kernel gives them, so stand-ins make the check pass.

@@ -40,6 +40,8 @@ COMMANDS = {
     "validate-data": ("ptbr.commands.validate_data:main", "check chat/instruction JSONL, every problem with its line"),
     "merge": ("ptbr.commands.merge:main", "merge a LoRA adapter into its base: a full model that loads without peft"),
     "preflight": ("ptbr.commands.preflight:main", "check hardware, packages, data, model and disk; recommend a config that fits"),
+    "monitor": ("ptbr.commands.monitor:main", "watch a run from another terminal: progress, loss, memory, stalls (read-only)"),
+    "report": ("ptbr.commands.report:main", "plots and report.md of a run, or several runs overlaid (needs matplotlib)"),
     "kaggle": ("ptbr.commands.kaggle:main", "train on Kaggle's free GPUs: bundle a run, push it, follow it, fetch its outputs"),
 }
 
@@ -142,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("preflight")
     add_preflight_flags(p)
+
+    p = command("monitor")
+    p.add_argument("run_dir", metavar="OUTPUT", help="the run directory (the --output of train or finetune)")
+    p.add_argument("--refresh", type=float, default=5, metavar="SECONDS",
+                   help="seconds between two screens; it stops when the run has ended (default: 5)")
+    p.add_argument("--once", action="store_true", help="print the run's state once and exit")
+    p.add_argument("--stall-after", type=float, metavar="SECONDS",
+                   help="seconds without a new metrics row, log line or checkpoint file before a live run is "
+                        "called stalled (default: the largest of 5x the median step time, 2x the longest step "
+                        "and 60 s)")
+
+    p = command("report")
+    p.add_argument("runs", nargs="+", metavar="OUTPUT", help="a run directory; several: their curves overlaid")
+    p.add_argument("--output", help="where to write report.md and plots/ (default: the run directory; "
+                                    "required for several runs)")
 
     add_kaggle_actions(command("kaggle"), common)
     return parser

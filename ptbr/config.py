@@ -148,6 +148,8 @@ class LoopSettings:
         "first step, then 20x the first step's time, at least 5 min).")
     hang_action: str = setting("exit", "On a hang: exit (write hang_report.txt, exit 8) or warn (report, keep waiting).",
                                ("exit", "warn"))
+    tensorboard: bool = setting(False, "Also write the metrics as TensorBoard event files in OUTPUT/tensorboard "
+                                "(needs the tensorboard extra: pip install 'ptbr[tensorboard]').")
 
     def __post_init__(self) -> None:
         if self.warmup_steps is None and isinstance(self.max_steps, int):

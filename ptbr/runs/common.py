@@ -23,10 +23,18 @@ from ptbr.config import default_warmup
 from ptbr.errors import ConfigError, DeviceError, ModelError, OutputError, PtbrError, error_line
 from ptbr.files import first_line, remove_leftovers, write_json
 from ptbr.log import attach_run_log, detach, log, to_file_only
-from ptbr.train.checkpoint import STATE_FILE, checkpoints_dir, complete_checkpoints, corruption, read_state
+from ptbr.memory import Architecture, estimate_run
+from ptbr.report import INSTALL, matplotlib_installed, write_report
+from ptbr.train.checkpoint import (
+    STATE_FILE,
+    checkpoints_dir,
+    complete_checkpoints,
+    corruption,
+    read_state,
+)
 from ptbr.train.lock import RunLock
 from ptbr.train.loop import LoopState, TrainingStep
-from ptbr.train.metrics import loss_summary
+from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule
 
 # What a run leaves in its directory. A run that starts over moves these to OUTPUT/previous/ (the
@@ -55,6 +63,8 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
     `with` block runs; the line of an error that ends the run goes to train.log too. With
     --resume never, the previous run's files are moved aside first. In a data-parallel run the
     main rank does all of this and the other ranks wait for it (and fail with it)."""
+    if settings.tensorboard:
+        require_tensorboard()  # before anything is written or built
     world = world or SingleProcess()
     held: dict = {}
 
@@ -304,6 +314,15 @@ def refuse_auto_fit_in_parallel(settings, world: World) -> None:
                           "the parallel run with it")
 
 
+def predicted_peak_bytes(settings, arch: Architecture, backend, batch_size: int, seq_len: int) -> int:
+    """The memory model's peak for this run on its backend and device (per process in a
+    data-parallel run), recorded in run_config.json so that `ptbr monitor` and `ptbr report` can
+    set the measured memory (the main rank's) against it."""
+    target = "mlx" if backend.name == "mlx" else backend.device.split(":")[0]
+    return estimate_run(settings, arch, target, batch_size, seq_len, backend.precision,
+                        settings.gradient_checkpointing, backend.world.size).total
+
+
 def write_run_config(run_dir: Path, command: str, settings, backend, resume: Resume, extra: dict) -> None:
     """run_config.json (written by the main rank)."""
     if not backend.world.is_main:
@@ -320,7 +339,7 @@ def write_run_config(run_dir: Path, command: str, settings, backend, resume: Res
 
 
 def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict, result: str) -> dict:
-    """training_summary.json (the run's numbers and `extra`), and the last log line."""
+    """training_summary.json (the run's numbers and `extra`), the run's report, and the last log line."""
     summary = {
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
@@ -333,6 +352,7 @@ def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict,
         **extra,
     }
     write_json(run_dir / "training_summary.json", summary, "training_summary.json")
+    write_run_report(run_dir)
     line = f"done: {state.step} steps"
     if summary["final_loss"] is not None:
         line += f", final loss {summary['final_loss']:.4f}"
@@ -341,3 +361,17 @@ def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict,
     log(f"{line}; {result}")
     return summary
 
+
+def write_run_report(run_dir: Path) -> None:
+    """report.md and plots/ of a run that finished, where matplotlib is installed. The run's results
+    are saved by then: a report that cannot be made is a warning, never the run's failure."""
+    if not matplotlib_installed():
+        log(f"no report: matplotlib is not installed; {INSTALL}, then `ptbr report {run_dir}`")
+        return
+    try:
+        path = write_report([run_dir])
+    except Exception as exc:  # noqa: BLE001 - whatever went wrong, the trained model is saved
+        log(f"warning: the run report was not written ({error_line(exc)}); the run's results are saved: "
+            f"`ptbr report {run_dir}` tries again")
+        return
+    log(f"report: {path}, plots in {path.parent / 'plots'}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ptbr.backends import create_backend
 from ptbr.config import FinetuneConfig
-from ptbr.errors import ConfigError, DataError
+from ptbr.errors import DataError
 from ptbr.finetune.adapter import save_adapter
 from ptbr.finetune.base import (
     check_tokenizer_fits,
@@ -26,6 +26,7 @@ from ptbr.finetune.base import (
 from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
 from ptbr.finetune.data import JsonlReport, data_paths, inspect_pair, problems_summary
 from ptbr.log import log
+from ptbr.memory import Architecture
 from ptbr.runs.common import (
     Resume,
     describe_placement,
@@ -34,6 +35,7 @@ from ptbr.runs.common import (
     finish,
     open_run,
     out_of_memory_is_an_error,
+    predicted_peak_bytes,
     refuse_auto_fit_in_parallel,
     start_state,
     write_run_config,
@@ -218,6 +220,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
         "steps_per_epoch": source.steps_per_epoch,
         "target_modules": adapted.target_modules,
         "trainable_parameters": adapted.trainable_parameters, "total_parameters": adapted.total_parameters,
+        "predicted_peak_bytes": _predicted_peak(settings, backend, adapted, train.examples),
     })
 
     adapters = run_dir / "adapters"
@@ -249,6 +252,16 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
 
     summary = world.decide(write_results)
     return FinetuneResult(summary, adapted, tokenizer, source, eval_batches, settings)
+
+
+def _predicted_peak(settings: FinetuneConfig, backend, adapted, examples: list) -> int | None:
+    """The memory model's peak at the run's worst micro-batch (batch_size rows of the longest
+    example), or None for an architecture it does not know."""
+    try:
+        arch = Architecture.from_hf_config(adapted.config)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return predicted_peak_bytes(settings, arch, backend, settings.batch_size, max(len(e.ids) for e in examples) - 1)
 
 
 def _auto_fit(settings: FinetuneConfig, backend, adapted, examples: list, pad_id: int) -> FinetuneConfig:

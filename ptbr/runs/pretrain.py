@@ -12,9 +12,16 @@ from ptbr.config import PretrainConfig, get_preset
 from ptbr.data import SAMPLE_DIR
 from ptbr.data.batch import windows_to_batch
 from ptbr.data.tokenizer import save_for_transformers
-from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset, eval_windows, open_dataset
+from ptbr.data.tokens import (
+    PretrainBatches,
+    RandomWindows,
+    TokenDataset,
+    eval_windows,
+    open_dataset,
+)
 from ptbr.files import file_sha256, write_directory
 from ptbr.log import log
+from ptbr.memory import Architecture
 from ptbr.runs.common import (
     describe_placement,
     effective_batch,
@@ -22,6 +29,7 @@ from ptbr.runs.common import (
     finish,
     open_run,
     out_of_memory_is_an_error,
+    predicted_peak_bytes,
     refuse_auto_fit_in_parallel,
     start_state,
     write_run_config,
@@ -81,6 +89,8 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
         "data": str(data_dir), "tokenizer": str(dataset.tokenizer_path),
         "model": dataclasses.asdict(preset) | {"vocab_size": dataset.vocab_size, "parameters": n_params},
         "tokens_per_step": effective_batch(settings, world) * settings.seq_len,
+        "predicted_peak_bytes": predicted_peak_bytes(settings, Architecture.from_preset(preset, dataset.vocab_size),
+                                                     backend, settings.batch_size, settings.seq_len),
     })
 
     eval_batches = None

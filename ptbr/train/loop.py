@@ -132,7 +132,7 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
     record = record or {}
     world = world or SingleProcess()
     beat = watchdog.beat if watchdog is not None else (lambda phase: None)
-    metrics = MetricsLog(run_dir, state.step) if world.is_main else None
+    metrics = MetricsLog(run_dir, state.step, settings.tensorboard) if world.is_main else None
     progress = Progress(settings.max_steps, state.step, settings.log_every, enabled=world.is_main)
     start_step = state.step
     started = time.monotonic()
@@ -191,6 +191,8 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
                                           f"{state.step}", f"checkpoint {path}", "run the same command again to resume")
     finally:
         progress.close()
+        if metrics is not None:
+            metrics.close()
     return state
 
 

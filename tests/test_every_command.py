@@ -252,6 +252,23 @@ def test_the_other_commands_refuse_wrong_values(tmp_path, capsys):
         Case(["smoke", "--output", str(tmp_path / "a_file" / "x")], 9, "smoke failed"),
         Case(["preflight", "--mode", "pretrain", "--lora-r", "8", "--output", str(tmp_path / "p")], 2, "--lora-r"),
         Case(["preflight", "--data", str(tmp_path / "nope"), "--output", str(tmp_path / "p")], 10, "data.dataset"),
+        # kaggle: every case is refused before the client is imported or the network is used
+        Case(["kaggle"], 2, "ACTION"),
+        Case(["kaggle", "bundle", "--output", "", "--owner", "ptbrtester", "--slug", "ptbr-run"], 2, "--output"),
+        Case(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", "ptbrtester", "--slug", "ptbr-run",
+              "--data", ""], 2, "--data must be a path"),
+        Case(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", "ptbrtester", "--slug", "ptbr-run",
+              "--stop-after-hours", "nan"], 2, "--stop-after-hours"),
+        Case(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", "ptbrtester", "--slug", "ptbr-run",
+              "--python-version", "3"], 2, "--python-version"),
+        Case(["kaggle", "bundle", "--output", str(tmp_path / "a_file"), "--owner", "ptbrtester", "--slug", "ptbr-run"],
+             6, "is not a bundle"),
+        Case(["kaggle", "push", ""], 2, "BUNDLE must be a path"),
+        Case(["kaggle", "push", str(tmp_path / "a_file")], 2, "not a ptbr Kaggle bundle"),
+        Case(["kaggle", "status", str(tmp_path), "--poll-seconds", "nan"], 2, "--poll-seconds"),
+        Case(["kaggle", "status", str(tmp_path), "--poll-seconds", "-1"], 2, "--poll-seconds"),
+        Case(["kaggle", "output", str(tmp_path), "--path", ""], 2, "--path"),
+        Case(["kaggle", "output", str(tmp_path), "--path", str(tmp_path / "o"), "--pattern", "["], 2, "--pattern"),
     ]
     for case in cases:
         assert_refused(capsys, main(case.args), case.code, case.says, case.args)

@@ -32,8 +32,10 @@ LOCAL_PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 SLUG = "ptbr-tiny-run"
 KERNEL_ID = f"{USERNAME}/{SLUG}"
 # A run short enough for a shared CPU, long enough to be stopped halfway: a checkpoint every step.
+# Two processes: the kernel trains through ptbr's data-parallel launcher, as on Kaggle's two T4s
+# (there `num_processes: auto`, the bundle's default, counts the GPUs; here gloo on the CPU).
 TINY = {"model_size": "tiny", "max_steps": 24, "batch_size": 1, "seq_len": 16, "save_every": 1, "eval_every": 0,
-        "eval_batches": 1, "log_every": 1}
+        "eval_batches": 1, "log_every": 1, "num_processes": "2"}
 toy = finetune_tests.toy
 
 
@@ -118,7 +120,7 @@ def test_a_pretraining_bundle_holds_the_locked_wheels_without_torch_and_no_local
         assert (dataset / "data" / name).read_bytes() == (SAMPLE_DIR / name).read_bytes()
     # the run's settings, with Kaggle's defaults where the config says nothing, and no path of this machine
     settings = json.loads((dataset / layout.SETTINGS_FILE).read_text())
-    assert settings == {**TINY, "num_processes": "auto", "keep_last": 2}
+    assert settings == {**TINY, "keep_last": 2}, "the config's own num_processes is kept"
     script = (kernel / layout.KERNEL_FILE).read_text()
     assert f'BUNDLE_ID = "{KERNEL_ID}"\n' in script
     assert script.replace(f'BUNDLE_ID = "{KERNEL_ID}"\n', 'BUNDLE_ID = ""\n') == (ROOT / "kaggle" / "kernel.py").read_text()
@@ -193,6 +195,9 @@ def test_a_finetuning_bundle_for_kaggles_python_takes_the_right_bitsandbytes(tmp
     assert info["requirement"] == "ptbr[finetune]" and info["python"] == "3.12"
     assert info["base"] == {"kaggle": "mistral-ai/mistral/transformers/7b-v0.1/1"}
     assert sorted(f for f in info["files"] if f.startswith("data/")) == ["data/train.jsonl", "data/valid.jsonl"]
+    # no --config: Kaggle's defaults, one process per GPU (both T4s) and two checkpoints kept
+    settings = json.loads((out / "dataset" / layout.SETTINGS_FILE).read_text())
+    assert settings == {"num_processes": "auto", "keep_last": 2}
     metadata = json.loads((out / "kernel" / layout.KERNEL_METADATA).read_text())
     assert metadata["title"] == "PTBR Farense QLoRA" and metadata["id"] == f"{USERNAME}/ptbr-farense-qlora"
     assert metadata["model_sources"] == ["mistral-ai/mistral/transformers/7b-v0.1/1"]
@@ -455,11 +460,13 @@ def test_output_downloads_every_file_and_the_log_or_nothing(fake, tiny_bundle, t
 
 
 def kernel_env(root: Path) -> dict[str, str]:
-    """What a kernel sees: $KAGGLE_ROOT, no pip configuration and no PIP_* variable (no index)."""
+    """What a kernel sees: $KAGGLE_ROOT, no pip configuration and no PIP_* variable (no index); and
+    credentials in its environment (a user's own setting), which must reach no log and no output."""
     keep = ("PATH", "LANG", "LC_ALL", "SYSTEMROOT")
     env = {k: v for k, v in os.environ.items() if k in keep}
     env.update(KAGGLE_ROOT=str(root), PIP_CONFIG_FILE=os.devnull, HOME=str(root / "home"), TMPDIR=str(root / "tmp"),
-               KAGGLE_KERNEL_RUN_TYPE="Batch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+               KAGGLE_KERNEL_RUN_TYPE="Batch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               KAGGLE_USERNAME=USERNAME, KAGGLE_KEY=KEY)
     (root / "home").mkdir(parents=True, exist_ok=True)
     (root / "tmp").mkdir(parents=True, exist_ok=True)
     (root / "working").mkdir(parents=True, exist_ok=True)
@@ -529,7 +536,9 @@ def test_the_kernel_trains_stops_on_sigterm_and_the_next_version_resumes(torch_v
     assert "--no-index --find-links" in log and "Requirement already satisfied: torch" in log
     assert "got SIGTERM: asking ptbr to save a checkpoint and stop" in log
     assert "preflight: ptbr runs with NCCL_P2P_DISABLE=1 (the bundle's --env)" in log
+    assert "starting 2 data-parallel processes" in log, "ptbr's own launcher, as for two T4s"
     assert (working / "run" / "preflight_report.json").is_file()
+    assert KEY not in log and holds(working, KEY) == []
     record = json.loads((working / layout.RUN_MARKER).read_text())
     assert record["stages"] == {"environment": "ok", "bundle": "ok", "install": "ok", "resume": "ok",
                                 "preflight": "ok", "train": "stopped"} and record["train_exit_code"] == 130
@@ -546,6 +555,7 @@ def test_the_kernel_trains_stops_on_sigterm_and_the_next_version_resumes(torch_v
     unlock(second / "input")
     assert code == 0, log
     run_dir = second / "working" / "run"
+    assert "starting 2 data-parallel processes" in log
     assert f"resume: copied the previous version's run from {second / 'input' / SLUG / 'run'}" in log
     assert f"resuming from {run_dir / 'checkpoints' / f'step_{stopped_at:06d}'} (step {stopped_at})" in log
     assert json.loads((run_dir / "training_summary.json").read_text())["steps"] == TINY["max_steps"]
@@ -555,7 +565,7 @@ def test_the_kernel_trains_stops_on_sigterm_and_the_next_version_resumes(torch_v
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "preflight_report.json").is_file()
     record = json.loads((second / "working" / layout.RUN_MARKER).read_text())
     assert record["resumed_from"] == str(second / "input" / SLUG / "run") and record["exit_code"] == 0
-    assert holds(second / "working", KEY) == []
+    assert KEY not in log and holds(second / "working", KEY) == []
 
 
 def test_a_failed_kernel_names_its_stage(tmp_path, tiny_bundle, bare_venv):

@@ -98,6 +98,11 @@ class BundleSettings:
 
     def problems(self) -> list[str]:
         found = id_problems(self.owner, self.slug, self.title or self.slug)
+        # "" is no path (Path("") is the current directory, and an empty --data would mean the sample)
+        for flag, value in (("--output", self.output), ("--data", self.data), ("--config", self.config),
+                            ("--base", self.base)):
+            if value == "":
+                found.append(f"{flag} must be a path, got an empty one")
         if self.mode not in MODES:
             found.append(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not re.match(r"^3\.\d+$", self.python_version or ""):

@@ -100,6 +100,9 @@ class Bundle:
 
 def read_bundle(path: str | Path) -> Bundle:
     """The bundle at `path`; anything else is a ConfigError that says what is missing."""
+    if str(path) == "":
+        raise ConfigError("BUNDLE must be a path, got an empty one", "ptbr kaggle",
+                          "give the folder `ptbr kaggle bundle --output` wrote")
     path = Path(path)
     files = {name: path / folder / name for folder, name in
              ((DATASET, BUNDLE_MARKER), (DATASET, DATASET_METADATA), (KERNEL, KERNEL_METADATA))}

@@ -251,6 +251,16 @@ def status(path: str, wait: bool = False, waiting: Waiting = Waiting()) -> str:
 def output(path: str, target: str, pattern: str | None = None) -> Path:
     """The kernel's newest outputs and its log, downloaded into `target` as a whole (a previous
     download there is replaced; a folder holding anything else is refused)."""
+    if target == "":
+        raise ConfigError("--path must be a folder, got an empty path", "ptbr kaggle output", "give a new folder")
+    pattern_re = None
+    if pattern:
+        import re
+
+        try:
+            pattern_re = re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"--pattern is not a regular expression: {exc}", pattern, "fix the pattern") from exc
     bundle = read_bundle(path)
     destination = Path(target)
     log_name = f"{bundle.kernel_id.split('/')[1]}.log"
@@ -260,14 +270,6 @@ def output(path: str, target: str, pattern: str | None = None) -> Path:
         raise ConfigError("the download folder holds something other than a previous download of this kernel's "
                           "outputs: it would be replaced", str(destination), "give a new or empty folder with --path")
     api = connect()
-    pattern_re = None
-    if pattern:
-        import re
-
-        try:
-            pattern_re = re.compile(pattern)
-        except re.error as exc:
-            raise ConfigError(f"--pattern is not a regular expression: {exc}", pattern, "fix the pattern") from exc
     counted: list[int] = []
 
     def fill(folder: Path) -> None:

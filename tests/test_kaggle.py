@@ -80,9 +80,12 @@ def tiny_bundle(tmp_path_factory) -> Path:
     config = folder / "tiny.json"
     config.write_text(json.dumps(TINY))
     out = folder / "bundle"
-    assert main(["kaggle", "bundle", "--output", str(out), "--owner", USERNAME, "--slug", SLUG, "--data",
-                 str(SAMPLE_DIR), "--config", str(config), "--python-version", LOCAL_PYTHON,
-                 "--resume-from-previous", "--env", "NCCL_P2P_DISABLE=1"]) == 0
+    with pytest.MonkeyPatch.context() as patch:  # credentials where Kaggle's client would find them: none is read
+        patch.setenv("KAGGLE_USERNAME", USERNAME)
+        patch.setenv("KAGGLE_KEY", KEY)
+        assert main(["kaggle", "bundle", "--output", str(out), "--owner", USERNAME, "--slug", SLUG, "--data",
+                     str(SAMPLE_DIR), "--config", str(config), "--python-version", LOCAL_PYTHON,
+                     "--resume-from-previous", "--env", "NCCL_P2P_DISABLE=1"]) == 0
     return out
 
 
@@ -129,6 +132,7 @@ def test_a_pretraining_bundle_holds_the_locked_wheels_without_torch_and_no_local
     assert metadata["machine_shape"] == "NvidiaTeslaT4" and metadata["is_private"] is True
     assert metadata["dataset_sources"] == [KERNEL_ID] and metadata["kernel_sources"] == [KERNEL_ID]
     assert metadata["model_sources"] == [] and metadata["code_file"] == layout.KERNEL_FILE
+    assert holds(tiny_bundle, KEY) == [], "made with credentials in the environment: none in the bundle"
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def lock_for(session: nox.Session, purpose: str, system: str | None = None,
     name = LOCKS_BY_PLATFORM.get((system, machine), {}).get(purpose)
     if name is None:
         covered = " and ".join(f"{s} {m}" for (s, m), by in LOCKS_BY_PLATFORM.items() if purpose in by)
-        extras = {"tests": "finetune,kaggle,dev", "kaggle": "kaggle"}.get(purpose, "finetune")
+        extras = {"tests": "finetune,kaggle,report,tensorboard,dev", "kaggle": "kaggle"}.get(purpose, "finetune,report")
         session.error(
             f"locks/ holds no lock for {system} {machine} (this session's covers {covered}). "
             f"Install unlocked in an environment of your own instead: "

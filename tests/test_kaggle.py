@@ -96,6 +96,7 @@ def test_the_kernel_script_ptbr_and_the_build_script_agree():
     assert (ROOT / "kaggle" / "kernel.py").read_text().count('BUNDLE_ID = ""\n') == 1
 
 
+@pytest.mark.slow  # a bundle (wheels from the cache or the index) or a new virtual environment
 def test_a_pretraining_bundle_holds_the_locked_wheels_without_torch_and_no_local_paths(tiny_bundle):
     dataset, kernel = tiny_bundle / layout.DATASET, tiny_bundle / layout.KERNEL
     info = json.loads((dataset / layout.BUNDLE_MARKER).read_text())
@@ -176,6 +177,7 @@ def check_with_the_client(bundle: Path, kaggle_client) -> None:
     assert api.get_bool(kernel, "enable_internet", True) is False and api.get_bool(kernel, "enable_gpu", False)
 
 
+@pytest.mark.slow  # a bundle (wheels from the cache or the index) or a new virtual environment
 def test_the_metadata_passes_the_clients_own_checks(tiny_bundle, kaggle_client):
     check_with_the_client(tiny_bundle, kaggle_client)
 
@@ -572,6 +574,7 @@ def test_the_kernel_trains_stops_on_sigterm_and_the_next_version_resumes(torch_v
     assert KEY not in log and holds(second / "working", KEY) == []
 
 
+@pytest.mark.slow  # a bundle (wheels from the cache or the index) or a new virtual environment
 def test_a_failed_kernel_names_its_stage(tmp_path, tiny_bundle, bare_venv):
     # nothing attached
     code, log = run_kernel(bare_venv, tiny_bundle, tmp_path / "empty")
@@ -588,6 +591,7 @@ def test_a_failed_kernel_names_its_stage(tmp_path, tiny_bundle, bare_venv):
                          f"wheels/{wheel.name} has 1000 bytes" in log
 
 
+@pytest.mark.slow  # a bundle (wheels from the cache or the index) or a new virtual environment
 def test_a_kernel_whose_install_fails_says_so(tmp_path, tiny_bundle, bare_venv):
     """Without torch (Kaggle's image has it; the bundle does not), pip cannot install ptbr offline."""
     root = tmp_path / "kaggle"

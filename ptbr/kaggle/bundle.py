@@ -274,7 +274,8 @@ def wheelhouse(build, settings: BundleSettings, scratch: Path) -> tuple[dict[str
     log(f"wheelhouse: {len(needed)} dependencies from {lock.name} for CPython {settings.python_version} "
         f"(manylinux_2_{build.KAGGLE_GLIBC_MINOR} x86_64), cached in {cache}")
     try:
-        build.download_wheels(pins, cache, settings.python_version, build.KAGGLE_GLIBC_MINOR)
+        build.download_wheels(pins, cache, settings.python_version, build.KAGGLE_GLIBC_MINOR,
+                             pip_options=("--quiet",))  # pip's errors still print; its per-wheel lines would not help
     except build.BuildError as exc:
         raise KaggleError(f"pip could not download the bundle's wheels: {exc}", str(pins),
                           "check the network to the package index; a pin without a wheel for this Python "

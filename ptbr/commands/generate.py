@@ -1,24 +1,37 @@
-"""`ptbr generate`: sample a continuation from a trained model (optionally with a LoRA adapter)."""
+"""`ptbr generate`: sample a continuation from a trained model (optionally with a LoRA adapter), on
+torch (transformers, PEFT adapters) or MLX (mlx-lm, mlx-lm adapters). An adapter in the other
+backend's format is converted on the fly (ptbr/finetune/export.py)."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 from ptbr.commands import quiet_transformers
 from ptbr.errors import ConfigError, ModelError
+from ptbr.finetune.base import check_base
 
 
-def load_for_generation(model_dir: str, adapter: str | None, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(model_dir: str, adapter: str | None, download: bool = False):
+    """The tokenizer an adapter was trained with (ptbr saves it with the adapter, chat template
+    included), else the model's."""
+    from transformers import AutoTokenizer
 
-    path = Path(model_dir)
-    if path.exists() and not (path / "config.json").is_file():
-        raise ModelError("no config.json in the model directory", str(path), "give OUTPUT/final or a Hugging Face model dir")
-    # an adapter written by `ptbr finetune` carries the tokenizer it was trained with (chat template included)
     tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_dir
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=not download)
+    except OSError as exc:
+        raise ModelError(f"cannot load the tokenizer: {str(exc).splitlines()[0]}", tokenizer_dir,
+                         "give a local model directory (OUTPUT/final)") from exc
+
+
+def load_for_generation(model_dir: str, adapter: str | None, device, download: bool = False):
+    """torch: the tokenizer and the model (with a PEFT adapter) on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model_dir, adapter, download)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=not download)
     except OSError as exc:
         raise ModelError(f"cannot load the model: {str(exc).splitlines()[0]}", model_dir,
                          "give a local model directory (OUTPUT/final)") from exc
@@ -31,19 +44,23 @@ def load_for_generation(model_dir: str, adapter: str | None, device):
     return tokenizer, model.to(device).eval()
 
 
-def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
-             chat: bool = False) -> str:
-    """The continuation of `prompt`; with chat=True, the answer to `prompt` as a user message,
-    rendered with the chat template exactly as fine-tuning rendered its examples."""
-    import torch
-
+def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt as token ids: a user message in the chat template exactly as fine-tuning rendered
+    its examples, or plain text to continue."""
     if chat:
         from ptbr.finetune.data import encode_prompt
 
-        ids = torch.tensor([encode_prompt(tokenizer, prompt, "messages")], device=model.device)
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    else:
-        inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+        return list(encode_prompt(tokenizer, prompt, "messages"))
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
+             chat: bool = False) -> str:
+    """torch: the continuation of `prompt`; with chat=True, the answer to `prompt` as a user message."""
+    import torch
+
+    ids = torch.tensor([prompt_ids(tokenizer, prompt, chat)], device=model.device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sampling = temperature > 0
     options = {"do_sample": sampling, "max_new_tokens": max_new_tokens,
                "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id}
@@ -72,16 +89,41 @@ def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> 
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def generate_mlx(args, adapter: str | None) -> tuple[str, bool]:
+    from ptbr.backends.mlx import generate as mlx_generate
+    from ptbr.backends.mlx.device import resolve_device
+    from ptbr.backends.mlx.lora import local_model_dir
+
+    resolve_device(args.device)
+    model_dir = local_model_dir(args.model, args.download, "model")
+    tokenizer = load_tokenizer(str(model_dir), adapter)
+    chat = is_chat_model(str(model_dir), adapter, tokenizer, args.raw)
+    model = mlx_generate.load_for_generation(model_dir, Path(adapter) if adapter else None)
+    new = mlx_generate.generate(model, prompt_ids(tokenizer, args.prompt, chat), {tokenizer.eos_token_id},
+                                args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    return tokenizer.decode(new, skip_special_tokens=True), chat
+
+
 def main(args) -> int:
     if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0:
         raise ConfigError("--max-new-tokens must be > 0, --temperature and --top-k >= 0", "ptbr generate",
                           "correct the values")
     quiet_transformers()
-    from ptbr.backends.torch.device import resolve_device
+    from ptbr.backends import resolve_name
+    from ptbr.finetune.export import adapter_as
 
-    tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device))
-    chat = is_chat_model(args.model, args.adapter, tokenizer, args.raw)
-    text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                    chat=chat)
+    check_base(args.model, args.download, "model")
+    backend = resolve_name(args.backend)
+    with ExitStack() as stack:
+        if backend == "mlx":
+            text, chat = generate_mlx(args, args.adapter and adapter_as(args.adapter, "mlx", stack))
+        else:
+            from ptbr.backends.torch.device import resolve_device
+
+            adapter = args.adapter and adapter_as(args.adapter, "peft", stack)
+            tokenizer, model = load_for_generation(args.model, adapter, resolve_device(args.device), args.download)
+            chat = is_chat_model(args.model, adapter, tokenizer, args.raw)
+            text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                            args.seed, chat=chat)
     print(text.strip() if chat else args.prompt + text)
     return 0

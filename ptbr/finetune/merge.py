@@ -1,5 +1,7 @@
 """Merging a LoRA adapter into its base: a full model that loads without peft, with the adapter's
 tokenizer (chat template included) and its ptbr_adapter.json (the data format it was trained on).
+An mlx-lm adapter (the MLX backend's) is converted to PEFT's format first (ptbr/finetune/export.py),
+so that both formats go through the one merge.
 
 The base is always loaded unquantized (a QLoRA run trained on NF4 weights: its adapter is merged
 into the original weights, in the base's own dtype unless asked otherwise), on the CPU, so that a
@@ -9,6 +11,7 @@ GPU busy with training is not needed: a 7B model in bf16 takes about 15 GB of RA
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 from ptbr.backends.torch.lora import refuse_prequantized
@@ -16,6 +19,7 @@ from ptbr.errors import ConfigError, ModelError
 from ptbr.files import write_directory
 from ptbr.finetune.adapter import ADAPTER_META, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
+from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -31,8 +35,7 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}", "--dtype", f"use one of: {', '.join(DTYPES)}")
     adapter, output = Path(adapter), Path(output)
-    if not (adapter / "adapter_config.json").is_file():
-        raise ModelError("no adapter_config.json in the adapter directory", str(adapter), "give OUTPUT/adapters")
+    adapter_format(adapter)  # PEFT's or mlx-lm's, else a ModelError that says what is missing
     check_base(base)
     refuse_prequantized(base)
     torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -43,7 +46,8 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
     except Exception as exc:  # noqa: BLE001
         raise load_error("base model", base, exc) from exc
     try:
-        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        with ExitStack() as stack:  # an mlx-lm adapter is merged through its PEFT conversion
+            merged = PeftModel.from_pretrained(model, adapter_as(adapter, "peft", stack)).merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - a shape or name mismatch: the adapter is for another base
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),

@@ -121,7 +121,7 @@ LOCKS = {
         Lock(
             name="macos",
             purpose="Apple Silicon (macOS arm64: torch with MPS, MLX and mlx-lm)",
-            extras=("finetune", "mlx", "dev"),
+            extras=("finetune", "mlx", "dev", "torch"),
             torch=f"torch=={TORCH_VERSION}",
             python_platform="aarch64-apple-darwin",
             markers=DARWIN_ARM64,

@@ -18,6 +18,7 @@ from ptbr.memory import (
     Architecture,
     MemoryEstimate,
     estimate_lora_memory,
+    estimate_mlx_memory,
     estimate_training_memory,
 )
 from ptbr.preflight.hardware import Hardware
@@ -161,6 +162,13 @@ def estimate(mode: str, arch: Architecture, requested: dict, target: str, batch_
              precision: str, checkpointing: bool) -> MemoryEstimate:
     """The memory model for one candidate, the runtime outside the model's tensors included."""
     overhead = RUNTIME_BYTES.get(target, RUNTIME_BYTES["cpu"])
+    if target == "mlx":  # the MLX backend's own estimate (MLX's 4/8-bit format, its activations)
+        lora = mode == "finetune"
+        quant = str(requested.get("quant") or "none").lower()
+        return estimate_mlx_memory(arch, batch_size, seq_len, precision, int(requested.get("lora_r", 16)) if lora else None,
+                                   {"nf4": 4, "int8": 8}.get(QUANT_ALIASES.get(quant)) if lora else None, checkpointing,
+                                   lora_dropout=lora and float(requested.get("lora_dropout") or 0) > 0,
+                                   overhead=overhead, targets=lora_targets(requested))
     if mode == "pretrain":
         return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead)
     return estimate_lora_memory(arch, batch_size, seq_len, int(requested.get("lora_r", 16)),

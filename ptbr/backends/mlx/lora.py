@@ -198,15 +198,21 @@ def load_base(settings, dtype):
 
 
 def load_adapted(settings, dtype) -> MlxAdapted:
-    """The base with fresh LoRA layers on the projections of every decoder layer. mlx-lm draws
-    lora_a uniformly (lora_b is zero) from MLX's global generator: it is seeded with --seed for
-    that and put back as it was, so the adapter depends on the seed alone."""
+    """The base (quantized per --quant) with fresh LoRA layers."""
+    model, config, quantization = load_base(settings, dtype)
+    base = Path(settings.base).expanduser()
+    return adapt(model, config, str(base.resolve()) if base.exists() else settings.base, quantization, settings)
+
+
+def adapt(model, config: dict, base: str, quantization: dict | None, settings) -> MlxAdapted:
+    """LoRA layers on the projections of every decoder layer of `model`, the rest frozen. mlx-lm
+    draws lora_a uniformly (lora_b is zero) from MLX's global generator: it is seeded with --seed
+    for that and put back as it was, so the adapter depends on the seed alone."""
     import mlx.core as mx
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from ptbr.backends.mlx.models import checkpoint_layers, count_parameters
 
-    model, config, quantization = load_base(settings, dtype)
     names, keys = resolve_keys(model, settings.target_modules)
     model.freeze()
     scale = settings.lora_alpha / settings.lora_r
@@ -222,9 +228,8 @@ def load_adapted(settings, dtype) -> MlxAdapted:
     if settings.gradient_checkpointing:
         checkpoint_layers(model)
     model.train()
-    adapted = MlxAdapted(model, config, str(Path(settings.base).expanduser().resolve())
-                         if Path(settings.base).expanduser().exists() else settings.base,
-                         names, keys, settings.lora_r, scale, settings.lora_dropout, 0, 0, quantization)
+    adapted = MlxAdapted(model, config, base, names, keys, settings.lora_r, scale, settings.lora_dropout, 0, 0,
+                         quantization)
     adapted.trainable_parameters = sum(v.size for v in adapted.adapter_weights().values())
     adapted.total_parameters = count_parameters(model)
     share = 100 * adapted.trainable_parameters / adapted.total_parameters

@@ -30,6 +30,7 @@ def settings(toy, output: Path, **overrides):
 def mlx_logits(model, ids: np.ndarray) -> np.ndarray:
     import mlx.core as mx
 
+    model.eval()  # LoRA dropout off
     return np.array(model(mx.array(ids)).astype(mx.float32))
 
 

@@ -166,6 +166,8 @@ def load_base(settings, dtype):
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    from ptbr.backends.mlx.models import global_generator
+
     path = local_model_dir(settings.base, settings.download)
     config = read_config(str(path)) or {}
     saved_quantization = base_quantization(config, settings.base)
@@ -178,8 +180,9 @@ def load_base(settings, dtype):
                           f"but --quant is {settings.quant}", settings.base,
                           f"use --quant {saved_quantization.get('bits')}bit with this base, or give the unquantized one")
     try:
-        model, config = load_model(path, model_config=rope_settings(config),
-                                   trust_remote_code=settings.trust_remote_code)
+        with global_generator():  # the constructor's random weights are replaced by the base's
+            model, config = load_model(path, model_config=rope_settings(config),
+                                       trust_remote_code=settings.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - unknown architecture, missing or mismatched weights
         raise load_error("base model", settings.base, exc) from exc
     model.set_dtype(dtype)  # floating weights only; the packed 4/8-bit ones stay as they are
@@ -211,20 +214,15 @@ def adapt(model, config: dict, base: str, quantization: dict | None, settings) -
     import mlx.core as mx
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    from ptbr.backends.mlx.models import checkpoint_layers, count_parameters
+    from ptbr.backends.mlx.models import checkpoint_layers, count_parameters, global_generator
 
     names, keys = resolve_keys(model, settings.target_modules)
     model.freeze()
     scale = settings.lora_alpha / settings.lora_r
-    saved_key = mx.array(mx.random.state[0])
-    mx.random.seed(settings.seed)
-    try:
+    with global_generator(settings.seed):
         linear_to_lora_layers(model, len(model.layers), {"rank": settings.lora_r, "scale": scale,
                                                          "dropout": settings.lora_dropout, "keys": keys})
         mx.eval(model.parameters())
-    finally:
-        high, low = (int(v) for v in saved_key.tolist())
-        mx.random.seed((high << 32) | low)
     if settings.gradient_checkpointing:
         checkpoint_layers(model)
     model.train()

@@ -5,11 +5,29 @@ per layer instance."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ptbr.config import ModelPreset
 
 INITIALIZER_RANGE = 0.02  # transformers' LlamaConfig default
+
+
+@contextmanager
+def global_generator(seed: int | None = None) -> Iterator[None]:
+    """Run the block with MLX's global generator seeded with `seed` (or as it is), and put it back
+    as it was afterwards: mlx.nn's layers draw their initial weights from it when constructed, and
+    a run's own draws (LoRA dropout) must not depend on how many layers were built before."""
+    import mlx.core as mx
+
+    high, low = (int(v) for v in mx.random.state[0].tolist())
+    if seed is not None:
+        mx.random.seed(seed)
+    try:
+        yield
+    finally:
+        mx.random.seed((high << 32) | low)
 
 
 def model_args(preset: ModelPreset, vocab_size: int):
@@ -65,7 +83,8 @@ def build_model(preset: ModelPreset, vocab_size: int, seed: int, pad_id: int | N
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models.llama import Model
 
-    model = Model(model_args(preset, vocab_size))
+    with global_generator():  # the constructor's random weights are replaced below
+        model = Model(model_args(preset, vocab_size))
     names = sorted(tree_flatten(model.parameters()), key=lambda item: item[0])
     keys = mx.random.split(mx.random.key(seed), len(names))
     weights = []

@@ -66,7 +66,7 @@ def run_preflight(mode: str, settings: dict, hardware: Hardware | None = None, l
     FinetuneConfig's fields); writes the two files into settings["output"] when `write`.
     `given`: the settings the user set, kept in recommended_config.json (None: all of them)."""
     hardware = hardware or probe_hardware()
-    target = choose_target(hardware, mode, settings.get("device", "auto"))
+    target = choose_target(hardware, mode, settings.get("device", "auto"), settings.get("backend", "auto"))
     checks = check_hardware(hardware, settings.get("device", "auto"))
     arch, max_positions, examples, longest, sizes = None, None, None, None, {}
 

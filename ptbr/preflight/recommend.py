@@ -89,11 +89,13 @@ def quantization(requested: dict, target: str) -> str | None:
     return quant
 
 
-def choose_target(hardware: Hardware, mode: str, device: str) -> str:
+def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "auto") -> str:
+    """On Apple Silicon both modes plan for the MLX backend (what --backend auto runs there), unless
+    --backend torch asks for MPS."""
     if device == "cuda" or (device == "auto" and hardware.gpus):
         return "cuda"
     if device == "mps" or (device == "auto" and hardware.apple_silicon):
-        return "mlx" if mode == "finetune" else "mps"
+        return "mps" if backend == "torch" else "mlx"
     return "cpu"
 
 
@@ -185,7 +187,7 @@ def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture
     since a micro-batch is padded to its longest example, never beyond it."""
     reasons: list[str] = []
     key = seq_key(mode)
-    target = choose_target(hardware, mode, requested.get("device", "auto"))
+    target = choose_target(hardware, mode, requested.get("device", "auto"), requested.get("backend", "auto"))
     precision = choose_precision(hardware, target, requested.get("precision", "auto"), reasons)
     budget = memory_budget(hardware, target, reasons)
     effective = requested["batch_size"] * requested["grad_accum"]

@@ -179,7 +179,8 @@ def preflight(session: nox.Session) -> None:
 @nox.session(python=LOCK_PYTHON, default=False)
 def bench(session: nox.Session) -> None:
     """The memory model's predicted peaks against measured ones (the README's accuracy tables):
-    pretraining, then LoRA/QLoRA.
+    pretraining, then LoRA/QLoRA; on Apple Silicon also the MLX estimate and ptbr's MLX LoRA
+    speed against mlx_lm.lora (benchmarks/mlx_*.py).
 
     The CPU grids take about 15 minutes on 2 cores; on a GPU machine, `-- --device cuda` (the
     environment then installs locks/cuda.txt, PyPI's CUDA build of torch)."""
@@ -187,6 +188,9 @@ def bench(session: nox.Session) -> None:
     install_locked(session, lock_for(session, "cuda" if cuda else "run"))
     session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
     session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *session.posargs)
+    if (platform.system(), platform.machine()) == ("Darwin", "arm64"):  # MLX is in the run lock there
+        session.run("python", "benchmarks/mlx_memory_accuracy.py", "--markdown")
+        session.run("python", "benchmarks/mlx_lora_speed.py", "--json", "benchmarks/results/mlx_lora_speed_metal.json")
 
 
 @nox.session(python=LOCK_PYTHON, default=False)

@@ -3,7 +3,8 @@ mx.get_peak_memory() of real MLX training steps (ptbr.backends.mlx.step.MlxStep)
 
     python benchmarks/mlx_memory_accuracy.py [--markdown]     # mlx[cpu]: a few minutes on 2 cores
 
-Pretraining points build a preset-shaped mlx-lm Llama; LoRA/QLoRA points a Mistral-shaped one
+Pretraining points build a preset-shaped mlx-lm Llama (the wide one with a batch so small that
+AdamW's update is the peak); LoRA/QLoRA points a Mistral-shaped one
 (grouped-query attention, SwiGLU) with random weights, quantized and adapted by the code
 `ptbr finetune --backend mlx` uses. Each point runs two optimizer steps and reports the peak of
 the second (the steady state: AdamW's state exists from the start), measured from a reset peak.
@@ -25,22 +26,26 @@ MISTRAL = {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
 # (mode, quant, precision, gradient_checkpointing, batch_size, seq_len)
 GRID = [("pretrain", "none", "fp32", False, 4, 64), ("pretrain", "none", "fp32", False, 4, 256),
         ("pretrain", "none", "fp32", True, 4, 256), ("pretrain", "none", "bf16", False, 4, 128),
+        ("pretrain-wide", "none", "fp32", False, 1, 32),
         ("lora", "none", "fp32", False, 4, 128), ("lora", "none", "bf16", False, 4, 128),
         ("lora", "4bit", "fp32", False, 2, 64), ("lora", "4bit", "fp32", False, 4, 256),
         ("lora", "4bit", "fp32", True, 4, 256), ("lora", "4bit", "bf16", False, 4, 128),
         ("lora", "8bit", "fp32", False, 4, 128)]
 RANK, DROPOUT = 16, 0.05
-PRETRAIN_PRESET = {"name": "bench", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
-                   "intermediate_size": 352, "max_position_embeddings": 1024, "learning_rate": 1e-3}
-PRETRAIN_VOCAB = 4000
+# pretraining: tiny-like (activations dominate), and wide with a short batch (AdamW's update does)
+PRESETS = {"pretrain": ({"name": "bench", "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4,
+                         "intermediate_size": 352, "max_position_embeddings": 1024, "learning_rate": 1e-3}, 4000),
+           "pretrain-wide": ({"name": "wide", "hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 8,
+                              "intermediate_size": 1408, "max_position_embeddings": 1024, "learning_rate": 1e-3}, 8000)}
 
 
 def architecture(point: dict):
     from ptbr.config import ModelPreset
     from ptbr.memory import Architecture
 
-    if point["mode"] == "pretrain":
-        return Architecture.from_preset(ModelPreset(**PRETRAIN_PRESET), PRETRAIN_VOCAB)
+    if point["mode"] in PRESETS:
+        preset, vocab = PRESETS[point["mode"]]
+        return Architecture.from_preset(ModelPreset(**preset), vocab)
     return Architecture.from_hf_config(MISTRAL)
 
 
@@ -65,10 +70,11 @@ def build_step(point: dict):
 
     backend = MlxBackend(MlxPlacement("cpu", point["precision"], "benchmark"))
     checkpointing = point["gradient_checkpointing"]
-    if point["mode"] == "pretrain":
+    if point["mode"] in PRESETS:
+        preset, vocab = PRESETS[point["mode"]]
         settings = PretrainConfig(batch_size=point["batch_size"], seq_len=point["seq_len"],
                                   gradient_checkpointing=checkpointing)
-        return backend.pretrain_step(ModelPreset(**PRETRAIN_PRESET), PRETRAIN_VOCAB, 0, None, settings), PRETRAIN_VOCAB
+        return backend.pretrain_step(ModelPreset(**preset), vocab, 0, None, settings), vocab
     args = ModelArgs(model_type="llama", num_hidden_layers=MISTRAL["num_hidden_layers"], rms_norm_eps=1e-5,
                      tie_word_embeddings=False, **{k: v for k, v in MISTRAL.items() if k != "num_hidden_layers"})
     model = Model(args)

@@ -410,8 +410,9 @@ def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, preci
       backward   = weights + optimizer + gradients + every layer's saved activations (with
                    checkpointing: each layer's input) + one layer's backward working set + the
                    fp32 logits, their exponentials and their gradient (3 x 4 B per vocabulary entry)
-      update     = weights + optimizer + gradients + the new trainable weights and AdamW state
-                   (MLX writes them to fresh buffers before the old ones are freed)
+      update     = weights + optimizer + gradients + one group's new weights, AdamW state and
+                   clipped gradients (MLX writes them to fresh buffers before the old ones are
+                   freed; ptbr's AdamW updates one decoder layer, then the rest, at a time)
     (MemoryEstimate's fields: backward_start holds the backward moment, backward_end the update;
     forward_end is the forward pass's end, never the larger.) Within 8% of mx.get_peak_memory() on
     mlx[cpu] (benchmarks/mlx_memory_accuracy.py; tests/test_mlx_memory.py allows 10%); on Metal,
@@ -444,11 +445,16 @@ def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, preci
         working = MLX_LAYER_WORKING * per_layer * tokens
     logits = 3 * 4 * tokens * arch.vocab_size
     resident = weights + 8 * trainable + 4 * trainable + overhead  # + AdamW state + gradients
+    if lora:  # the adapters of one layer
+        group = trainable // arch.num_layers
+    else:  # a decoder layer, or the embeddings with the output layer and the final norm
+        group = max(arch.layer_linear_parameters() + 2 * arch.hidden_size, arch.parameters - arch.num_layers * (
+            arch.layer_linear_parameters() + 2 * arch.hidden_size))
     return MemoryEstimate(
         precision=precision, weights=weights, gradients=4 * trainable, optimizer=8 * trainable,
         activations=activations, logits=logits, overhead=overhead, weight_copies=casts,
         forward_end=resident + casts + activations + compute * tokens * arch.vocab_size,
         backward_start=resident + casts + activations + working + logits,
-        backward_end=resident + 12 * trainable,
+        backward_end=resident + 16 * group,  # its new weights, m and v, and its clipped gradients
         quant=f"mlx{quant_bits}" if quant_bits else None,
     )

@@ -30,6 +30,7 @@ def benchmark():
 @pytest.mark.parametrize("mode, quant, precision, checkpointing, batch, seq", [
     ("pretrain", "none", "fp32", False, 4, 128),
     ("pretrain", "none", "fp32", True, 4, 128),
+    ("pretrain-wide", "none", "fp32", False, 1, 32),
     ("lora", "none", "fp32", False, 2, 128),
     ("lora", "4bit", "fp32", False, 2, 128),
     ("lora", "4bit", "fp32", True, 2, 128),

@@ -93,10 +93,9 @@ PRETRAIN_EXPECTED = {
     ("h100", "400m"): (32, 1, 1024, False), ("h100", "800m"): (16, 2, 1024, False),
     ("mac8", "tiny"): (16, 2, 512, False), ("mac8", "85m"): (2, 16, 1024, False),
     ("mac8", "400m"): None, ("mac8", "800m"): None,  # 16 B per parameter alone exceed Metal's 5.3 GiB
-    # Apple Silicon plans for the MLX backend: its AdamW update holds the new weights and state
-    # beside the old ones (28 B per parameter at that moment, benchmarks/mlx_memory_accuracy.py)
+    # Apple Silicon plans for the MLX backend (its estimate: benchmarks/mlx_memory_accuracy.py)
     ("mac16", "tiny"): (32, 1, 512, False), ("mac16", "85m"): (4, 8, 1024, False),
-    ("mac16", "400m"): None, ("mac16", "800m"): None,
+    ("mac16", "400m"): (4, 8, 1024, True), ("mac16", "800m"): None,
     ("mac32", "tiny"): (32, 1, 512, False), ("mac32", "85m"): (8, 4, 1024, False),
     ("mac32", "400m"): (4, 8, 1024, False), ("mac32", "800m"): (1, 32, 1024, False),
     ("cpu24", "tiny"): (32, 1, 512, False), ("cpu24", "85m"): (8, 4, 1024, False),

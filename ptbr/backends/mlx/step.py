@@ -1,9 +1,10 @@
 """The MLX training step: ptbr's loss over the micro-batches of one optimizer step, clipping,
 AdamW as torch computes it, evaluation, and the state a checkpoint holds (safetensors and JSON).
 
-Compiled functions take the model, the optimizer and MLX's random generator as their state (as
-mlx-lm's trainer does), and every step ends with `mx.eval` on the loss, the weights and the
-optimizer state: a lazy graph that is never evaluated grows until the process stalls. Batches are
+Compiled functions take the model and MLX's random generator as their state (as mlx-lm's trainer
+does; the AdamW update is compiled too, ptbr/backends/mlx/optimizer.py), and every step ends with
+`mx.eval` on the loss, the weights and the optimizer state: a lazy graph that is never evaluated
+grows until the process stalls. Batches are
 padded to a few shapes (lengths in powers of two from 32, rows to the micro-batch size), because
 each new shape is a new compilation, and on Metal one per distinct length exhausted the GPU's
 buffers (mlx issue #4464).
@@ -64,17 +65,14 @@ def cross_entropy_sum(logits, labels):
 
 
 def build_optimizer(model, settings):
-    """AdamW as torch.optim.AdamW computes it (bias correction, decoupled weight decay), with no
-    weight decay on norms and biases (1-D parameters), as the torch backend groups them."""
-    import mlx.optimizers as optim
+    """AdamW as torch.optim.AdamW computes it, with no weight decay on norms and biases (1-D
+    parameters), as the torch backend groups them (ptbr/backends/mlx/optimizer.py)."""
+    from mlx.utils import tree_flatten
 
-    betas = [settings.beta1, settings.beta2]
-    decay = optim.AdamW(settings.learning_rate, betas, eps=1e-8, weight_decay=settings.weight_decay,
-                        bias_correction=True)
-    no_decay = optim.AdamW(settings.learning_rate, betas, eps=1e-8, weight_decay=0.0, bias_correction=True)
-    optimizer = optim.MultiOptimizer([decay, no_decay], [lambda path, weight: weight.ndim >= 2])
-    optimizer.init(model.trainable_parameters())
-    return optimizer
+    from ptbr.backends.mlx.optimizer import AdamW
+
+    return AdamW(dict(tree_flatten(model.trainable_parameters())), settings.learning_rate,
+                 (settings.beta1, settings.beta2), eps=1e-8, weight_decay=settings.weight_decay)
 
 
 class MlxStep:
@@ -115,8 +113,8 @@ class MlxStep:
         import mlx.core as mx
         from mlx.utils import tree_map, tree_reduce
 
-        model, optimizer = self.model, self.optimizer
-        state = [model.state, optimizer.state, mx.random.state]
+        model = self.model
+        state = [model.state, mx.random.state]
 
         def weighted(params, input_ids, labels, weight):
             loss_sum = self._forward_loss(params, input_ids, labels)
@@ -145,17 +143,13 @@ class MlxStep:
                                        mx.array(0.0, mx.float32)))
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def apply(grads, clip):
-            optimizer.update(model, tree_map(lambda g: (g * clip).astype(g.dtype), grads))
-
-        @partial(mx.compile, inputs=state, outputs=state)
         def evaluate(input_ids, labels):
             params = model.trainable_parameters()
             loss_sum = self._forward_loss(params, input_ids, labels)
             model.update(params)
             return loss_sum
 
-        self._first, self._accumulate, self._norm, self._apply, self._evaluate = first, accumulate, norm, apply, evaluate
+        self._first, self._accumulate, self._norm, self._evaluate = first, accumulate, norm, evaluate
 
     def _arrays(self, batch: Batch):
         import mlx.core as mx
@@ -168,6 +162,7 @@ class MlxStep:
         of the step (each micro-batch's gradient weighted by its share of the step's targets), so
         a short last step of an epoch counts with its own size, as in the torch backend."""
         import mlx.core as mx
+        from mlx.utils import tree_flatten
 
         targets = sum(target_count(b) for b in micro_batches)
         inputs = input_count(micro_batches)
@@ -192,10 +187,12 @@ class MlxStep:
             clip = 1.0
             if self.max_grad_norm > 0:
                 clip = min(self.max_grad_norm / (grad_norm + 1e-6), 1.0)  # torch's clip_grad_norm_
-            self.optimizer.learning_rate = mx.array(lr, mx.float32)
-            self._apply(grads, mx.array(clip, mx.float32))
-        del grads
-        mx.eval(self.model.trainable_parameters(), self.optimizer.state, mx.random.state)
+            flat = dict(tree_flatten(grads))
+            del grads  # the optimizer frees each layer's gradients once that layer is updated
+            self.optimizer.update(self.model, flat, lr, clip)
+        else:
+            del grads
+        mx.eval(self.model.trainable_parameters(), self.optimizer.arrays(), mx.random.state)
         return StepResult(loss, grad_norm, targets, inputs, skipped)
 
     def eval_loss(self, batches: list[Batch]) -> float:
@@ -223,20 +220,17 @@ class MlxStep:
         """The trainable weights (a Hugging Face model.safetensors, or mlx-lm's adapters.safetensors),
         AdamW's state, MLX's random key, and the config that makes the checkpoint load on its own."""
         import mlx.core as mx
-        from mlx.utils import tree_flatten
 
         weights_format = "pt" if self.kind == "model" else "mlx"
         mx.save_safetensors(str(directory / WEIGHTS_FILE[self.kind]), self.trainable_weights(),
                             metadata={"format": weights_format})
-        mx.save_safetensors(str(directory / OPTIMIZER_FILE), dict(tree_flatten(self.optimizer.state)),
-                            metadata={"format": "mlx"})
+        mx.save_safetensors(str(directory / OPTIMIZER_FILE), self.optimizer.state(), metadata={"format": "mlx"})
         key = [int(v) for v in np.array(mx.random.state[0]).tolist()]
         (directory / RNG_FILE).write_text(json.dumps({"mlx_random_key": key}) + "\n", encoding="utf-8")
         (directory / CONFIG_FILE[self.kind]).write_text(json.dumps(self.config, indent=2) + "\n", encoding="utf-8")
 
     def load_state(self, directory: Path) -> None:
         import mlx.core as mx
-        from mlx.utils import tree_unflatten
 
         weights = mx.load(str(directory / WEIGHTS_FILE[self.kind]))
         expected = self.trainable_weights()
@@ -244,14 +238,10 @@ class MlxStep:
         if problems or len(weights) != len(expected):
             raise ValueError(f"the checkpoint's weights do not match this model ({', '.join(problems[:3]) or 'extra'})")
         self.model.load_weights(list(weights.items()), strict=False)
-        loaded = tree_unflatten(list(mx.load(str(directory / OPTIMIZER_FILE)).items()))
-        # in place: the compiled functions hold these dictionaries as their state
-        for optimizer, saved in zip(self.optimizer.optimizers, loaded["states"], strict=True):
-            optimizer.state.clear()
-            optimizer.state.update(saved)
+        self.optimizer.load(mx.load(str(directory / OPTIMIZER_FILE)))
         high, low = json.loads((directory / RNG_FILE).read_text(encoding="utf-8"))["mlx_random_key"]
         mx.random.seed((high << 32) | low)
-        mx.eval(self.model.parameters(), self.optimizer.state, mx.random.state)
+        mx.eval(self.model.parameters(), self.optimizer.arrays(), mx.random.state)
 
     def memory_bytes(self) -> int:
         from ptbr.backends.mlx.device import peak_memory

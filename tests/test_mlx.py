@@ -430,7 +430,7 @@ def test_mlx_errors_are_one_line_with_their_exit_codes(toy, tmp_path, capsys):
     code, err = error_of("finetune", *common, "--quant", "none", "--target-modules", "q_proj,qkv")
     assert code == 2 and "no linear module named qkv" in err
     code, err = error_of("export-adapter", str(toy.base), "--to", "peft", "--output", str(tmp_path / "x"))
-    assert code == 4 and "not a LoRA adapter" in err
+    assert code == 4 and "no adapter_config.json in the adapter directory" in err
 
 
 def test_auto_fit_halves_the_micro_batch_on_an_mlx_out_of_memory(toy, tmp_path, monkeypatch, capsys):

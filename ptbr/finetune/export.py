@@ -47,8 +47,10 @@ def adapter_format(directory: str | Path) -> str:
         return "mlx"
     if not directory.is_dir():
         raise ModelError("adapter directory not found", str(directory), "give OUTPUT/adapters of a fine-tuning run")
-    raise ModelError(f"not a LoRA adapter: neither {PEFT_WEIGHTS} (PEFT) nor {MLX_WEIGHTS} (mlx-lm) with "
-                     f"{PEFT_CONFIG}", str(directory), "give OUTPUT/adapters of a fine-tuning run")
+    if not (directory / PEFT_CONFIG).is_file():
+        raise ModelError(f"no {PEFT_CONFIG} in the adapter directory", str(directory), "give OUTPUT/adapters")
+    raise ModelError(f"no adapter weights: neither {PEFT_WEIGHTS} (PEFT) nor {MLX_WEIGHTS} (mlx-lm)",
+                     str(directory), "give OUTPUT/adapters of a fine-tuning run")
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:

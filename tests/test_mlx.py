@@ -411,6 +411,13 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
 
     assert main(["merge", "--base", str(toy.base), "--adapter", adapters, "--output", str(tmp_path / "merged")]) == 0
     assert generate("--backend", "mlx", "--model", str(tmp_path / "merged")) == answer
+    # where torch is not installed, MLX merges: the same weights as PEFT's merge
+    from ptbr.finetune.merge import _merge_with_mlx
+
+    _merge_with_mlx(str(toy.base), Path(adapters), tmp_path / "merged-mlx", "auto", False)
+    a, b = (mx.load(str(tmp_path / name / "model.safetensors")) for name in ("merged", "merged-mlx"))
+    assert a.keys() == b.keys() and all(mx.allclose(a[k], b[k], atol=1e-6, rtol=0).item() for k in a)
+    assert (tmp_path / "merged-mlx" / "ptbr_adapter.json").is_file()
 
     capsys.readouterr()
     assert main(["smoke", "--backend", "mlx", "--output", str(tmp_path / "smoke")]) == 0

@@ -1,5 +1,5 @@
 """The MLX path without torch: a virtual environment holding only what locks/ci.txt pins for it
-(no torch, peft, bitsandbytes or accelerate) fine-tunes, pretrains, generates and converts
+(no torch, peft, bitsandbytes or accelerate) fine-tunes, pretrains, generates, converts and merges
 adapters; and `nox -s mac`, which installs the same subset of locks/macos.txt on Apple Silicon."""
 
 from __future__ import annotations
@@ -139,6 +139,9 @@ def test_the_mlx_path_runs_in_an_environment_without_torch(noxfile, toy, tmp_pat
     assert answer.stdout.strip()
     run(ptbr, "export-adapter", out / "adapters", "--to", "peft", "--output", tmp_path / "peft", env=env, cwd=cwd)
     assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+    run(ptbr, "merge", "--base", toy.base, "--adapter", out / "adapters", "--output", tmp_path / "merged", env=env,
+        cwd=cwd)  # MLX merges where torch is missing
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
     smoke = run(ptbr, "smoke", "--backend", "mlx", env=env, cwd=cwd, timeout=600)
     assert "smoke ok" in smoke.stdout
     refused = subprocess.run([ptbr, "train", "--backend", "torch", "--output", tmp_path / "t"], capture_output=True,

@@ -111,7 +111,7 @@ LOCKS = {
         Lock(
             name="ci",
             purpose="CI and development on Linux x86_64 (CPU torch, every extra, MLX's CPU build)",
-            extras=("finetune", "kaggle", "dev"),
+            extras=("finetune", "kaggle", "dev", "report", "tensorboard"),
             torch=f"torch=={TORCH_VERSION}+cpu",
             python_platform=f"x86_64-manylinux_2_{IMAGE_GLIBC_MINOR}",
             extra_requirements=("mlx[cpu]>=0.20", "mlx-lm>=0.20"),
@@ -121,7 +121,7 @@ LOCKS = {
         Lock(
             name="macos",
             purpose="Apple Silicon (macOS arm64: torch with MPS, MLX and mlx-lm)",
-            extras=("finetune", "mlx", "dev", "torch"),
+            extras=("finetune", "mlx", "dev", "torch", "report", "tensorboard"),
             torch=f"torch=={TORCH_VERSION}",
             python_platform="aarch64-apple-darwin",
             markers=DARWIN_ARM64,

@@ -17,8 +17,14 @@ import traceback
 import warnings
 
 from ptbr import __version__
-from ptbr.commands import DEFAULT_VOCAB_SIZE
-from ptbr.config import BACKENDS, DEVICES, PRESETS, FinetuneConfig, PretrainConfig
+from ptbr.config import (
+    BACKENDS,
+    DEFAULT_VOCAB_SIZE,
+    DEVICES,
+    PRESETS,
+    FinetuneConfig,
+    PretrainConfig,
+)
 from ptbr.errors import EXIT_CODES
 from ptbr.flags import add_preflight_flags, add_settings_flags, setting_default
 
@@ -43,11 +49,13 @@ COMMANDS = {
     "export-adapter": ("ptbr.commands.export_adapter:main",
                        "convert a LoRA adapter between PEFT's format (torch) and mlx-lm's (MLX)"),
     "preflight": ("ptbr.commands.preflight:main", "check hardware, packages, data, model and disk; recommend a config that fits"),
+    "monitor": ("ptbr.commands.monitor:main", "watch a run from another terminal: progress, loss, memory, stalls (read-only)"),
+    "report": ("ptbr.commands.report:main", "plots and report.md of a run, or several runs overlaid (needs matplotlib)"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ptbr", description="Train Portuguese (PT-BR) language models reproducibly.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ptbr {__version__}")
@@ -103,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help='a question for a chat model, or text to continue, e.g. "Era uma vez"')
     p.add_argument("--model", required=True, help="a model directory (OUTPUT/final, a merged model) or a base model")
     p.add_argument("--adapter", help="a LoRA adapter directory (OUTPUT/adapters) to apply to --model")
+    p.add_argument("--download", action="store_true", help="allow --model to be a Hugging Face Hub id (needs network)")
     p.add_argument("--raw", action="store_true",
                    help="continue the prompt as plain text, even where the model was trained on conversations "
                         "(default: the chat template for a model trained on chat data, or whose tokenizer has one)")
@@ -111,9 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--download", action="store_true",
-                   help="allow --model to be a Hugging Face Hub id, downloaded when not cached (default: a local "
-                        "directory only)")
     p.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="auto picks cuda, then mps, then cpu; with --backend mlx the Metal GPU, or cpu (default: auto)")
@@ -131,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", help="a model directory: also check token lengths and the chat template")
     p.add_argument("--max-seq-len", type=int, help="length to check against (default: finetune's, "
                    f"{setting_default(FinetuneConfig, 'max_seq_len')})")
+    p.add_argument("--drop-long", action="store_true",
+                   help="check as `ptbr finetune --drop-long` runs: longer examples dropped, not truncated")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base tokenizer's own code to run")
+    p.add_argument("--download", action="store_true", help="allow --base to be a Hugging Face Hub id (needs network)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("merge")
@@ -141,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="dtype of the merged weights (default: auto, the base's own)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
+    p.add_argument("--download", action="store_true", help="allow --base to be a Hugging Face Hub id (needs network)")
 
     p = command("export-adapter")
     p.add_argument("adapter", help="the adapter directory (OUTPUT/adapters), in either format")
@@ -153,6 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("preflight")
     add_preflight_flags(p)
+
+    p = command("monitor")
+    p.add_argument("run_dir", metavar="OUTPUT", help="the run directory (the --output of train or finetune)")
+    p.add_argument("--refresh", type=float, default=5, metavar="SECONDS",
+                   help="seconds between two screens; it stops when the run has ended (default: 5)")
+    p.add_argument("--once", action="store_true", help="print the run's state once and exit")
+    p.add_argument("--stall-after", type=float, metavar="SECONDS",
+                   help="seconds without a new metrics row, log line or checkpoint file before a live run is "
+                        "called stalled (default: the largest of 5x the median step time, 2x the longest step "
+                        "and 60 s)")
+
+    p = command("report")
+    p.add_argument("runs", nargs="+", metavar="OUTPUT", help="a run directory; several: their curves overlaid")
+    p.add_argument("--output", help="where to write report.md and plots/ (default: the run directory; "
+                                    "required for several runs)")
     return parser
 
 
@@ -170,12 +195,29 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a value of the wrong type, a choice not offered) in
+    ptbr's one-line form, exit 2, like every other bad setting."""
+
+    def error(self, message: str):
+        from ptbr.errors import ConfigError
+
+        raise ConfigError(message, self.prog, f"see `{self.prog} --help`")
+
+
 def _run(argv: list[str] | None) -> int:
+    from ptbr.errors import ConfigError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as exc:
+        print(exc.one_line(), file=sys.stderr, flush=True)
+        return exc.exit_code
     if not args.command:
-        parser.print_help()
+        parser.print_help(sys.stderr)  # no command: a usage error, not output
         return 2
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what --num-processes hands its workers
     debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
     from ptbr.errors import PtbrError, error_line
     from ptbr.log import setup_console

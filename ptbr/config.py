@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ptbr.errors import ConfigError, collect
 
@@ -85,12 +85,18 @@ def get_preset(name: str) -> ModelPreset:
 # Run settings
 # --------------------------------------------------------------------------------------------
 
+# The vocabulary `ptbr prepare` trains by default, and the one a preset is sized at without a dataset.
+DEFAULT_VOCAB_SIZE = 32000
 DEVICES = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 BACKENDS = ("auto", "torch", "mlx")
 
 
 SETTINGS_FIX = "correct those values (`ptbr COMMAND --help` lists every setting and its default)"
+
+
+# torch, numpy and mlx all take seeds below this
+MAX_SEED = 2**63
 
 
 def default_warmup(max_steps: int) -> int:
@@ -127,6 +133,11 @@ class LoopSettings:
         "auto", "auto: bf16 where the GPU really has it, fp16 + GradScaler on T4-class GPUs, fp32 on CPU.", PRECISIONS
     )
     resume: str = setting("auto", "auto: continue from the newest complete checkpoint; never; or a checkpoint PATH.")
+    num_processes: str = setting(
+        "1", "Data-parallel processes to start on this machine: a number, or auto (one per visible GPU, 1 without "
+        "GPUs). Under torchrun or `accelerate launch` the launcher starts them instead.")
+    fsdp: bool = setting(False, "Shard weights, gradients and AdamW state across the processes (FSDP) instead of "
+                         "copying the model to each (DDP): for models whose training state does not fit one GPU.")
     gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass to save memory.")
     auto_fit: bool = setting(
         False, "Before training, run a real step on the longest batch and halve batch_size (doubling grad_accum) "
@@ -137,6 +148,8 @@ class LoopSettings:
         "first step, then 20x the first step's time, at least 5 min).")
     hang_action: str = setting("exit", "On a hang: exit (write hang_report.txt, exit 8) or warn (report, keep waiting).",
                                ("exit", "warn"))
+    tensorboard: bool = setting(False, "Also write the metrics as TensorBoard event files in OUTPUT/tensorboard "
+                                "(needs the tensorboard extra: pip install 'ptbr[tensorboard]').")
 
     def __post_init__(self) -> None:
         if self.warmup_steps is None and isinstance(self.max_steps, int):
@@ -145,12 +158,20 @@ class LoopSettings:
             self.learning_rate = self.default_learning_rate()
         collect(self.problems(), ConfigError, "settings", SETTINGS_FIX)
 
+    optional_paths: ClassVar[tuple[str, ...]] = ()  # path settings that may be left out, never given as ""
+
     def default_learning_rate(self) -> float:
         return 2e-4
 
     def problems(self) -> list[str]:
         """Every invalid value, so that one run reports them all."""
         found = []
+        if not isinstance(self.output, str) or not self.output.strip():
+            found.append(f"output must be a directory path, got {self.output!r}")
+        for name in self.optional_paths:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                found.append(f"{name} must be a path or left out, got {value!r}")
         for name in ("batch_size", "grad_accum", "max_steps", "eval_batches", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -171,8 +192,8 @@ class LoopSettings:
             value = getattr(self, name)
             if not _finite(value) or not 0 <= value < 1:
                 found.append(f"{name} must be within [0, 1), got {value!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            found.append(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < MAX_SEED:
+            found.append(f"seed must be an integer within [0, 2**63), got {self.seed!r}")
         if self.backend not in BACKENDS:
             found.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.device not in DEVICES:
@@ -181,6 +202,9 @@ class LoopSettings:
             found.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not self.resume:
             found.append("resume must be auto, never or a checkpoint path")
+        if not (self.num_processes == "auto" or (isinstance(self.num_processes, str) and
+                                                  self.num_processes.isdigit() and int(self.num_processes) >= 1)):
+            found.append(f"num_processes must be a number >= 1 or auto, got {self.num_processes!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             found.append(f"keep_last must be an integer >= 0, got {self.keep_last!r}")
         if self.hang_timeout is not None and (not _finite(self.hang_timeout) or self.hang_timeout <= 0):
@@ -198,6 +222,7 @@ class PretrainConfig(LoopSettings):
     tokenizer: str | None = setting(None, "tokenizer.json (needed for datasets without meta.json).")
     model_size: str = setting("tiny", "Model preset: tiny, 85m, 400m or 800m.")
     seq_len: int = setting(256, "Tokens per training sequence.")
+    optional_paths: ClassVar[tuple[str, ...]] = ("data", "tokenizer")
 
     def default_learning_rate(self) -> float:
         return PRESETS[self.model_size].learning_rate if self.model_size in PRESETS else 3e-4
@@ -243,6 +268,7 @@ class FinetuneConfig(LoopSettings):
     drop_long: bool = setting(False, "Drop examples longer than max_seq_len instead of truncating them.")
     epochs: int = setting(1, "Passes over the training examples (ignored when max_steps is given).")
     merge: bool = setting(False, "At the end, also write OUTPUT/merged: the base with the best adapter merged in.")
+    optional_paths: ClassVar[tuple[str, ...]] = ("valid",)
     trust_remote_code: bool = setting(False, "Allow the base model's own Python code to run (only for models you trust).")
 
     def resolve_steps(self, steps_per_epoch: int) -> FinetuneConfig:
@@ -340,8 +366,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}", "--config", "give the path of an existing JSON or YAML file")
-    text = path.read_text(encoding="utf-8")
     try:
+        text = path.read_text(encoding="utf-8")
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
 
@@ -350,7 +376,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(text)
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"cannot parse config file: {first_line}", str(path), "fix the JSON/YAML syntax") from exc
+        raise ConfigError(f"cannot parse config file: {first_line}", str(path),
+                          "fix the JSON/YAML syntax (the file must be UTF-8 text)") from exc
     if not isinstance(data, dict):
         raise ConfigError("config file must hold a mapping of settings", str(path), "write key: value pairs")
     return data

@@ -17,7 +17,8 @@ EXIT_CODES: dict[int, str] = {
     8: "hang: no progress within --hang-timeout (see hang_report.txt)",
     9: "`ptbr smoke` failed",
     10: "`ptbr preflight` found a failed check (see preflight_report.json)",
-    130: "stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command to resume",
+    130: "stopped by SIGTERM/SIGINT: a run that had started training saved a checkpoint first (run the same "
+         "command to resume); anything else stopped without saving",
     141: "the reader of ptbr's output went away (e.g. `ptbr info | head -1`)",
 }
 
@@ -34,6 +35,10 @@ class PtbrError(Exception):
         self.where = where
         self.fix = fix
         self.problems = list(problems) if problems else [what]  # each problem, when several were found
+
+    def __reduce__(self):
+        # every field survives pickling (a data-parallel run passes errors from rank 0 to the others)
+        return (self.__class__, (self.what, self.where, self.fix, self.problems))
 
     def one_line(self) -> str:
         text = f"error: {self.what}"

@@ -64,3 +64,10 @@ def log(message: str) -> None:
     if not logger.handlers:
         setup_console()
     logger.info(message)
+
+
+def shout(message: str) -> None:
+    """A line every process prints, even the quiet ranks of a data-parallel run (warnings, errors)."""
+    if not logger.handlers:
+        setup_console()
+    logger.warning(message)

@@ -24,6 +24,7 @@ resident-memory and GPU comparison is benchmarks/memory_accuracy.py (the table i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from ptbr.config import ModelPreset
@@ -206,8 +207,16 @@ def _head_bytes_per_token(arch: Architecture, precision: str) -> int:
 
 
 def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, precision: str = "fp32",
-                             gradient_checkpointing: bool = False, overhead: int = 0) -> MemoryEstimate:
-    """Predicted peak bytes of full training (pretraining): fp32 weights, AdamW, autocast activations."""
+                             gradient_checkpointing: bool = False, overhead: int = 0, shards: int = 1) -> MemoryEstimate:
+    """Predicted peak bytes of full training (pretraining): fp32 weights, AdamW, autocast activations.
+
+    shards > 1: FSDP over that many processes (the per-process peak). The weights, gradients and
+    AdamW state are divided among them; the root unit (embeddings, output layer, final norm) stays
+    gathered during the step and two decoder layers are gathered at a time (one computing, one
+    prefetched). A planning estimate: FSDP's peak has not been measured against a GPU yet."""
+    if shards > 1:
+        return _sharded(arch, estimate_training_memory(arch, batch_size, seq_len, precision,
+                                                       gradient_checkpointing, overhead), shards)
     params = arch.parameters
     tokens = batch_size * seq_len
     mixed = precision in ("fp16", "bf16")
@@ -239,6 +248,19 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         backward_start=resident + activations + held_copies + logits,
         backward_end=resident + 4 * params + max(working, embedding_grad),
     )
+
+
+def _sharded(arch: Architecture, whole: MemoryEstimate, shards: int) -> MemoryEstimate:
+    params = arch.parameters
+    layer = arch.layer_linear_parameters() + 2 * arch.hidden_size
+    root = params - arch.num_layers * layer
+    gathered = 4 * (root + 2 * layer)
+    saved = (4 + 8) * params - (4 + 8) * params // shards - gathered  # weights and AdamW: sharded, some gathered
+    grads = 4 * params - 4 * params // shards - 4 * layer  # one layer's gradient whole before its reduce-scatter
+    return dataclasses.replace(
+        whole, weights=4 * params // shards, gradients=4 * params // shards, optimizer=8 * params // shards,
+        forward_end=whole.forward_end - saved, backward_start=whole.backward_start - saved,
+        backward_end=whole.backward_end - saved - grads)
 
 
 def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora_rank: int,
@@ -339,9 +361,11 @@ def lora_targets(target_modules: str | None) -> tuple[str, ...]:
 
 
 def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq_len: int, precision: str,
-                 checkpointing: bool) -> MemoryEstimate:
-    """The predicted peak of a run with these settings (PretrainConfig or FinetuneConfig) on
-    `target` (cuda | cpu | mps | mlx), the runtime outside the model's tensors included."""
+                 checkpointing: bool, processes: int = 1) -> MemoryEstimate:
+    """The predicted peak, per process, of a run with these settings (PretrainConfig or
+    FinetuneConfig) on `target` (cuda | cpu | mps | mlx), the runtime outside the model's tensors
+    included. `processes`: data-parallel processes (each holds everything, unless settings.fsdp
+    shards the state among them)."""
     overhead = RUNTIME_BYTES.get(target, RUNTIME_BYTES["cpu"])
     if target == "mlx":
         lora = hasattr(settings, "lora_r")
@@ -350,7 +374,8 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
                                    lora_dropout=lora and settings.lora_dropout > 0, overhead=overhead,
                                    targets=lora_targets(settings.target_modules) if lora else LORA_ALL)
     if not hasattr(settings, "lora_r"):
-        return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead)
+        shards = processes if settings.fsdp else 1
+        return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards)
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
                                 targets=lora_targets(settings.target_modules), device=target)

@@ -212,4 +212,4 @@ def test_validate_data_cli(tmp_path, capsys):
     write_jsonl(data / "valid.jsonl", [{"messages": CONVERSATION[1:3]}])
     assert main(["validate-data", str(data)]) == 0
     out, _ = capsys.readouterr()
-    assert "train.jsonl: 3 valid examples (messages)" in out and "valid.jsonl: 1 valid examples" in out
+    assert "train.jsonl: 3 valid examples (messages)" in out and "valid.jsonl: 1 valid example (messages)" in out

@@ -98,8 +98,9 @@ def test_older_layout_is_accepted_with_a_tokenizer(tmp_path, dataset_dir, capsys
 
 def test_older_layout_without_a_tokenizer_says_so(tmp_path, dataset_dir):
     old, _ = make_old_layout(tmp_path, dataset_dir)
-    with pytest.raises(DataError, match="tokenizer not found"):
+    with pytest.raises(DataError, match="no tokenizer.json file in the data directory") as caught:
         open_dataset(old)
+    assert "--tokenizer FILE" in caught.value.fix
 
 
 def test_odd_byte_count_and_ids_beyond_vocab(tmp_path, dataset_dir):

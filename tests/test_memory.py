@@ -234,7 +234,7 @@ def test_lora_layer_inventory_is_exactly_what_autograd_saves(tmp_path, quant, pr
 ])
 def test_lora_predicted_peak_is_the_allocated_peak_of_a_real_step(tmp_path, quant, precision, dropout, checkpointing,
                                                                   targets, tolerance):
-    from ptbr.preflight.recommend import lora_targets
+    from ptbr.memory import lora_targets
 
     batch, seq = 8, 128
     backend, placement, arch = _lora_backend(tmp_path, 3, quant, precision, dropout, checkpointing, targets)
@@ -244,5 +244,5 @@ def test_lora_predicted_peak_is_the_allocated_peak_of_a_real_step(tmp_path, quan
     measured = _allocated_peak(backend, step)
     predicted = estimate_lora_memory(arch, batch, seq, 8, None if quant == "none" else "nf4", precision,
                                      checkpointing, lora_dropout=dropout > 0,
-                                     targets=lora_targets({"target_modules": targets}), device="cpu").total
+                                     targets=lora_targets(targets), device="cpu").total
     assert predicted == pytest.approx(measured, rel=tolerance)

@@ -301,7 +301,7 @@ def test_resume_is_exact(toy, tmp_path, monkeypatch, mode):
 
 
 @pytest.mark.slow
-def test_pretraining_through_the_cli_learns_and_final_loads_in_transformers_and_mlx_lm(tmp_path):
+def test_pretraining_through_the_cli_learns_and_final_loads_in_transformers_and_mlx_lm(tmp_path, capsys):
     import mlx_lm
     import torch
     from transformers import AutoModelForCausalLM
@@ -316,6 +316,15 @@ def test_pretraining_through_the_cli_learns_and_final_loads_in_transformers_and_
     assert all(r["mem_bytes"] > 0 for r in rows)
     run_config = json.loads((output / "run_config.json").read_text())
     assert run_config["backend"] == "mlx" and run_config["versions"]["mlx-lm"] and "torch" not in run_config["versions"]
+    # monitor and report read an MLX run as a torch one; the predicted peak is of what MLX measures
+    peak = max(r["mem_bytes"] for r in rows)
+    assert 0.8 < peak / run_config["predicted_peak_bytes"] < 1.2
+    assert "| status | finished |" in (output / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["monitor", "--once", str(output)]) == 0
+    screen = capsys.readouterr().out
+    assert "train: tiny, mlx on cpu, fp32" in screen and "finished: 30 steps" in screen
+    assert f"({100 * peak / run_config['predicted_peak_bytes']:.0f}%)" in screen
 
     ids = np.arange(1, 33)[None]
     model, _ = mlx_lm.load(str(output / "final"))
@@ -414,7 +423,7 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     # where torch is not installed, MLX merges: the same weights as PEFT's merge
     from ptbr.finetune.merge import _merge_with_mlx
 
-    _merge_with_mlx(str(toy.base), Path(adapters), tmp_path / "merged-mlx", "auto", False)
+    _merge_with_mlx(str(toy.base), Path(adapters), tmp_path / "merged-mlx", "auto", False, False)
     a, b = (mx.load(str(tmp_path / name / "model.safetensors")) for name in ("merged", "merged-mlx"))
     assert a.keys() == b.keys() and all(mx.allclose(a[k], b[k], atol=1e-6, rtol=0).item() for k in a)
     assert (tmp_path / "merged-mlx" / "ptbr_adapter.json").is_file()
@@ -424,7 +433,7 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     assert "on mlx" in capsys.readouterr().out
 
 
-def test_mlx_errors_are_one_line_with_their_exit_codes(toy, tmp_path, capsys):
+def test_mlx_errors_are_one_line_with_their_exit_codes(toy, tmp_path, capsys, monkeypatch):
     def error_of(*args: str) -> tuple[int, str]:
         code = main(list(args))
         return code, capsys.readouterr().err.strip().splitlines()[-1]
@@ -438,6 +447,15 @@ def test_mlx_errors_are_one_line_with_their_exit_codes(toy, tmp_path, capsys):
     assert code == 2 and "no linear module named qkv" in err
     code, err = error_of("export-adapter", str(toy.base), "--to", "peft", "--output", str(tmp_path / "x"))
     assert code == 4 and "no adapter_config.json in the adapter directory" in err
+    # MLX trains in one process: data parallelism and FSDP are the torch backend's
+    code, err = error_of("finetune", *common, "--num-processes", "2", "--fsdp")
+    assert code == 2 and "2 problems: --num-processes 2: data parallelism runs on the torch backend; --fsdp" in err
+    code, err = error_of("train", "--backend", "mlx", "--output", str(tmp_path / "p"), "--fsdp")
+    assert code == 2 and "--fsdp: sharding among processes runs on the torch backend" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun starts its workers
+    code, err = error_of("train", "--backend", "mlx", "--output", str(tmp_path / "p"))
+    assert code == 2 and "started as one of 2 processes" in err
+    assert not (tmp_path / "p").exists()  # refused before the run directory is made
 
 
 def test_auto_fit_halves_the_micro_batch_on_an_mlx_out_of_memory(toy, tmp_path, monkeypatch, capsys):

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from ptbr.config import PRESETS, FinetuneConfig, PretrainConfig, build_settings
-from ptbr.memory import GIB, Architecture
+from ptbr.memory import GIB, Architecture, estimate_run
 from ptbr.preflight import GPU, Hardware, recommend
 from ptbr.preflight.checks import FAIL, PASS, WARN, check_kaggle, check_packages
-from ptbr.preflight.recommend import estimate
 
 # --------------------------------------------------------------------------------------------
 # Injected machines, with the numbers torch and psutil report on them
@@ -52,43 +51,47 @@ MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "hidden_size": 4096, "num
 VOCAB = 32000
 
 
-def pretrain_request(size: str) -> dict:
+def pretrain_request(size: str) -> PretrainConfig:
     """What a user asks for: 32 sequences per step, as 8 x grad_accum 4, of the preset's length."""
     seq = min(1024, PRESETS[size].max_position_embeddings)
-    return dataclasses.asdict(PretrainConfig(model_size=size, seq_len=seq, batch_size=8, grad_accum=4))
+    return PretrainConfig(model_size=size, seq_len=seq, batch_size=8, grad_accum=4)
 
 
-def qlora_request() -> dict:
-    return dataclasses.asdict(FinetuneConfig(base="mistral-7b", data="train.jsonl", quant="4bit", lora_r=16,
-                                             max_seq_len=1024, batch_size=4, grad_accum=4))
+def qlora_request() -> FinetuneConfig:
+    return FinetuneConfig(base="mistral-7b", data="train.jsonl", quant="4bit", lora_r=16, max_seq_len=1024,
+                          batch_size=4, grad_accum=4)
 
 
-def check_invariants(rec, hardware: Hardware, mode: str, requested: dict, arch: Architecture, seq_key: str):
+def check_invariants(rec, hardware: Hardware, requested, arch: Architecture, seq_key: str):
     s = rec.settings
-    assert s["batch_size"] * s["grad_accum"] == requested["batch_size"] * requested["grad_accum"]
-    assert s["learning_rate"] == requested["learning_rate"]
+    assert type(s) is type(requested)  # the recommendation is the run's own settings
+    processes = int(s.num_processes)
+    assert processes == (len(hardware.gpus) if rec.target == "cuda" and hardware.gpus else 1)  # every GPU
+    assert s.batch_size * s.grad_accum * processes == requested.batch_size * requested.grad_accum
+    assert s.learning_rate == requested.learning_rate
     if not rec.fits:
         return
     assert rec.estimate.total <= rec.budget
-    assert s[seq_key] <= requested[seq_key]
+    assert getattr(s, seq_key) <= getattr(requested, seq_key)
     # the micro-batch is the largest that fits: the next larger divisor of the effective batch does not
-    effective = requested["batch_size"] * requested["grad_accum"]
-    larger = [d for d in range(s["batch_size"] + 1, effective + 1) if effective % d == 0]
+    share = requested.batch_size * requested.grad_accum // processes
+    larger = [d for d in range(s.batch_size + 1, share + 1) if share % d == 0]
     if larger:
-        bigger = estimate(mode, arch, requested, rec.target, larger[0], s[seq_key], s["precision"],
-                          s["gradient_checkpointing"])
+        bigger = estimate_run(s, arch, rec.target, larger[0], getattr(s, seq_key), s.precision,
+                              s.gradient_checkpointing, processes)
         assert bigger.total > rec.budget
     expected = {"cuda": "bf16" if hardware.gpus and hardware.gpus[0].real_bf16 else "fp16", "cpu": "fp32",
                 "mps": "fp32", "mlx": "bf16"}[rec.target]
-    assert s["precision"] == expected
+    assert s.precision == expected
 
 
 # (machine, preset) -> (batch_size, grad_accum, seq_len, gradient_checkpointing), or None: does not fit
 PRETRAIN_EXPECTED = {
     ("t4", "tiny"): (32, 1, 512, False), ("t4", "85m"): (8, 4, 1024, False),
     ("t4", "400m"): (4, 8, 1024, False), ("t4", "800m"): (4, 8, 1024, True),
-    ("2xt4", "tiny"): (32, 1, 512, False), ("2xt4", "85m"): (8, 4, 1024, False),
-    ("2xt4", "400m"): (4, 8, 1024, False), ("2xt4", "800m"): (4, 8, 1024, True),
+    # 2x T4: one process per GPU, each with half the effective batch
+    ("2xt4", "tiny"): (16, 1, 512, False), ("2xt4", "85m"): (8, 2, 1024, False),
+    ("2xt4", "400m"): (4, 4, 1024, False), ("2xt4", "800m"): (4, 4, 1024, True),
     ("h100", "tiny"): (32, 1, 512, False), ("h100", "85m"): (32, 1, 1024, False),
     ("h100", "400m"): (32, 1, 1024, False), ("h100", "800m"): (16, 2, 1024, False),
     ("mac8", "tiny"): (16, 2, 512, False), ("mac8", "85m"): (2, 16, 1024, False),
@@ -107,10 +110,10 @@ PRETRAIN_EXPECTED = {
 def test_pretrain_recommendation(machine, size):
     hardware, requested = MACHINES[machine], pretrain_request(size)
     arch = Architecture.from_preset(PRESETS[size], VOCAB)
-    rec = recommend(hardware, "pretrain", requested, arch, max_positions=PRESETS[size].max_position_embeddings)
-    check_invariants(rec, hardware, "pretrain", requested, arch, "seq_len")
+    rec = recommend(hardware, requested, arch, max_positions=PRESETS[size].max_position_embeddings)
+    check_invariants(rec, hardware, requested, arch, "seq_len")
     s = rec.settings
-    got = (s["batch_size"], s["grad_accum"], s["seq_len"], s["gradient_checkpointing"]) if rec.fits else None
+    got = (s.batch_size, s.grad_accum, s.seq_len, s.gradient_checkpointing) if rec.fits else None
     assert got == PRETRAIN_EXPECTED[(machine, size)], rec.reasons
     if not rec.fits:
         assert "does not fit" in rec.reasons[-1]
@@ -118,7 +121,7 @@ def test_pretrain_recommendation(machine, size):
 
 QLORA_EXPECTED = {  # machine -> (batch_size, grad_accum, max_seq_len, gradient_checkpointing, precision)
     "t4": (8, 2, 1024, True, "fp16"),  # predicted 12.3 of 13.1 GiB usable
-    "2xt4": (8, 2, 1024, True, "fp16"),
+    "2xt4": (8, 1, 1024, True, "fp16"),  # x 2 processes
     "h100": (4, 4, 1024, False, "bf16"),  # 48.5 of 70.8 GiB: micro-batch 8 would not fit without checkpointing
     "mac8": None,  # MLX 4-bit weights + adapters already need 5.2 GiB, Metal allows 4.9 here
     "mac16": (2, 8, 1024, True, "bf16"),  # the MLX estimate (benchmarks/mlx_memory_accuracy.py)
@@ -131,11 +134,10 @@ QLORA_EXPECTED = {  # machine -> (batch_size, grad_accum, max_seq_len, gradient_
 def test_mistral_7b_qlora_recommendation(machine):
     hardware, requested = MACHINES[machine], qlora_request()
     arch = Architecture.from_hf_config(MISTRAL_7B)
-    rec = recommend(hardware, "finetune", requested, arch, max_positions=MISTRAL_7B["max_position_embeddings"],
-                    examples=848)
-    check_invariants(rec, hardware, "finetune", requested, arch, "max_seq_len")
+    rec = recommend(hardware, requested, arch, max_positions=MISTRAL_7B["max_position_embeddings"], examples=848)
+    check_invariants(rec, hardware, requested, arch, "max_seq_len")
     s = rec.settings
-    got = (s["batch_size"], s["grad_accum"], s["max_seq_len"], s["gradient_checkpointing"], s["precision"])
+    got = (s.batch_size, s.grad_accum, s.max_seq_len, s.gradient_checkpointing, s.precision)
     assert (got if rec.fits else None) == QLORA_EXPECTED[machine], rec.reasons
     assert any("848 training examples" in r for r in rec.reasons)
     if machine == "mac16":
@@ -143,23 +145,37 @@ def test_mistral_7b_qlora_recommendation(machine):
         assert rec.estimate.quant == "mlx4"
 
 
-def test_t4_gets_fp16_and_two_t4s_train_on_one():
-    rec = recommend(MACHINES["2xt4"], "pretrain", pretrain_request("85m"), Architecture.from_preset(PRESETS["85m"], VOCAB))
-    assert rec.settings["precision"] == "fp16"
+def test_t4_gets_fp16_and_two_t4s_train_on_both():
+    rec = recommend(MACHINES["2xt4"], pretrain_request("85m"), Architecture.from_preset(PRESETS["85m"], VOCAB))
+    assert rec.settings.precision == "fp16"
     assert any("no native bf16" in r for r in rec.reasons)
-    assert any("2 GPUs found" in r for r in rec.reasons)
+    assert rec.settings.num_processes == "2" and not rec.settings.fsdp
+    assert any("2 GPUs: --num-processes 2, one data-parallel process on each" in r for r in rec.reasons)
+    config = rec.config_file()
+    assert config["num_processes"] == "2"  # `ptbr train --config` starts both
     # asking for bf16 on a T4 is corrected, with the reason
-    asked = pretrain_request("85m") | {"precision": "bf16"}
-    rec = recommend(MACHINES["t4"], "pretrain", asked, Architecture.from_preset(PRESETS["85m"], VOCAB))
-    assert rec.settings["precision"] == "fp16" and any("instead of bf16" in r for r in rec.reasons)
+    asked = dataclasses.replace(pretrain_request("85m"), precision="bf16")
+    rec = recommend(MACHINES["t4"], asked, Architecture.from_preset(PRESETS["85m"], VOCAB))
+    assert rec.settings.precision == "fp16" and any("instead of bf16" in r for r in rec.reasons)
+
+
+def test_a_model_whose_training_state_does_not_fit_one_gpu_is_sharded_over_two():
+    """800m: 16 bytes per parameter of weights and AdamW are 11.7 GiB; on two 12 GB GPUs, DDP
+    cannot even start, FSDP shares that state between them."""
+    gpu = dataclasses.replace(T4, memory_free=12 * 10**9)
+    rec = recommend(linux([gpu, gpu]), pretrain_request("800m"), Architecture.from_preset(PRESETS["800m"], VOCAB))
+    assert rec.fits and rec.settings.fsdp and rec.settings.num_processes == "2"
+    assert any("FSDP (--fsdp)" in r for r in rec.reasons)
+    one = recommend(linux([gpu]), pretrain_request("800m"), Architecture.from_preset(PRESETS["800m"], VOCAB))
+    assert not one.fits and not one.settings.fsdp
 
 
 def test_sequence_is_shortened_only_when_one_sequence_does_not_fit():
     # 85m with checkpointing needs 1.79 GiB for one sequence of 2048 tokens, 1.39 GiB for 1024
     small_gpu = linux([dataclasses.replace(T4, memory_free=int(1.7 / 0.9 * GIB))])
-    requested = dataclasses.asdict(PretrainConfig(model_size="85m", seq_len=2048, batch_size=1, grad_accum=8))
-    rec = recommend(small_gpu, "pretrain", requested, Architecture.from_preset(PRESETS["85m"], VOCAB))
-    assert rec.fits and rec.settings["seq_len"] == 1024 and rec.settings["gradient_checkpointing"]
+    requested = PretrainConfig(model_size="85m", seq_len=2048, batch_size=1, grad_accum=8)
+    rec = recommend(small_gpu, requested, Architecture.from_preset(PRESETS["85m"], VOCAB))
+    assert rec.fits and rec.settings.seq_len == 1024 and rec.settings.gradient_checkpointing
     assert any("lowered from 2048 to 1024" in r for r in rec.reasons)
 
 
@@ -306,7 +322,7 @@ def test_finetune_preflight_reads_the_base_and_checks_the_jsonl(toy_base, tmp_pa
 
 def test_finetune_recommended_config_is_a_finetune_config():
     hardware, requested = MACHINES["t4"], qlora_request()
-    rec = recommend(hardware, "finetune", requested, Architecture.from_hf_config(MISTRAL_7B))
+    rec = recommend(hardware, requested, Architecture.from_hf_config(MISTRAL_7B))
     settings = build_settings(FinetuneConfig, json.loads(json.dumps(rec.config_file())))
     assert (settings.batch_size, settings.grad_accum, settings.gradient_checkpointing) == (8, 2, True)
 

@@ -8,9 +8,6 @@ import logging
 from ptbr.config import PRESETS, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError, collect
 
-# `ptbr prepare`'s BPE size, and the vocabulary a preset is sized at when no dataset says otherwise
-DEFAULT_VOCAB_SIZE = 32000
-
 
 def settings_from_args(cls: type, args: argparse.Namespace):
     """Settings from defaults < --config file < flags given on the command line."""
@@ -18,6 +15,61 @@ def settings_from_args(cls: type, args: argparse.Namespace):
     names = [f.name for f, _ in settings_fields(cls)]
     overrides = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return build_settings(cls, file_values, overrides, source=args.config or "flags")
+
+
+def processes_to_launch(settings) -> int:
+    """How many workers `--num-processes` asks ptbr to start; 1: run in this process. Inside a
+    worker (torchrun, `accelerate launch`, or ptbr's own launch) the launcher has already decided."""
+    import os
+
+    from ptbr.backends import resolve_name
+
+    inside = os.environ.get("WORLD_SIZE")
+    if resolve_name(settings.backend) == "mlx":
+        refuse_parallel_mlx(settings, inside)
+        return 1
+    if inside:
+        if settings.num_processes not in ("auto", "1", inside):
+            raise ConfigError(f"--num-processes {settings.num_processes} in a run of {inside} processes", "--num-processes",
+                              "let the launcher (torchrun / accelerate launch) decide, or leave --num-processes out")
+        return 1
+    if settings.num_processes == "1":
+        return 1
+    if settings.num_processes == "auto":
+        from ptbr.backends.torch.distributed import visible_gpus
+
+        return max(1, visible_gpus())
+    return int(settings.num_processes)
+
+
+def refuse_parallel_mlx(settings, inside: str | None) -> None:
+    """The MLX backend trains in one process: data parallelism and FSDP are torch's. --num-processes
+    auto means one process there (no CUDA GPUs to spread over)."""
+    problems = []
+    if settings.num_processes not in ("1", "auto"):
+        problems.append(f"--num-processes {settings.num_processes}: data parallelism runs on the torch backend")
+    if getattr(settings, "fsdp", False):
+        problems.append("--fsdp: sharding among processes runs on the torch backend")
+    if inside and inside != "1":
+        problems.append(f"started as one of {inside} processes (torchrun / accelerate launch): the MLX backend "
+                        "trains in one")
+    collect(problems, ConfigError, "--backend mlx", "train in one process with --backend mlx, or use --backend torch")
+
+
+def run_or_launch(settings, args: argparse.Namespace, run) -> int:
+    """run(settings) here, or in `--num-processes` workers started by torchrun's launcher."""
+    processes = processes_to_launch(settings)
+    if processes == 1:
+        run(settings)
+        return 0
+    from pathlib import Path
+
+    from ptbr.backends.torch.distributed import launch
+    from ptbr.log import log
+
+    logs = Path(settings.output) / "workers"
+    log(f"starting {processes} data-parallel processes (rank 0 reports here; the others log to {logs})")
+    return launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
 
 
 def check_preset_request(command: str, model_size: str, seq_len: int, **sizes: int) -> None:

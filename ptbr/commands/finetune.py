@@ -1,6 +1,6 @@
 """`ptbr finetune`."""
 
-from ptbr.commands import quiet_transformers, settings_from_args
+from ptbr.commands import quiet_transformers, run_or_launch, settings_from_args
 from ptbr.config import FinetuneConfig
 
 
@@ -10,5 +10,4 @@ def main(args) -> int:
     quiet_transformers()
     from ptbr.runs.finetune import run_finetune
 
-    run_finetune(settings)
-    return 0
+    return run_or_launch(settings, args, run_finetune)

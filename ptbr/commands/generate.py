@@ -4,12 +4,43 @@ backend's format is converted on the fly (ptbr/finetune/export.py)."""
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack
 from pathlib import Path
 
 from ptbr.commands import quiet_transformers
-from ptbr.errors import ConfigError, ModelError
-from ptbr.finetune.base import check_base
+from ptbr.config import MAX_SEED
+from ptbr.errors import ConfigError, ModelError, collect
+from ptbr.finetune.adapter import ADAPTER_META, check_adapter, read_adapter_meta
+from ptbr.finetune.base import check_base, load_error
+from ptbr.finetune.export import adapter_as, adapter_format
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def adapter_files(adapter: str | None) -> Path | None:
+    """Where the adapter's tokenizer and ptbr_adapter.json are: the adapter directory itself, or, for
+    a checkpoint of a run (OUTPUT/checkpoints/step_N, which holds only weights), OUTPUT/adapters."""
+    if adapter is None:
+        return None
+    path = Path(adapter)
+    if not (path / ADAPTER_META).is_file() and path.parent.name == "checkpoints":
+        beside = path.parent.parent / "adapters"
+        if (beside / ADAPTER_META).is_file():
+            return beside
+    return path
+
+
+def check_adapter_use(model_dir: str, adapter: str | None) -> None:
+    """An adapter directory that can be applied to `model_dir` (either backend's format)."""
+    if not adapter:
+        return
+    check_adapter(adapter)
+    adapter_format(adapter)
+    if (Path(model_dir) / ADAPTER_META).is_file():
+        raise ConfigError("the model already has an adapter merged in (it holds ptbr_adapter.json): applying "
+                          "one again would count it twice", adapter,
+                          "give the merged model alone, or the base model with --adapter")
 
 
 def load_tokenizer(model_dir: str, adapter: str | None, download: bool = False):
@@ -17,30 +48,34 @@ def load_tokenizer(model_dir: str, adapter: str | None, download: bool = False):
     included), else the model's."""
     from transformers import AutoTokenizer
 
-    tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else model_dir
+    files = adapter_files(adapter)
+    tokenizer_dir = files if files and (files / "tokenizer_config.json").is_file() else model_dir
+    if not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES) and Path(tokenizer_dir).exists():
+        raise ModelError("no tokenizer in the model directory (a checkpoint holds only weights)", str(tokenizer_dir),
+                         "give OUTPUT/final, a merged model, or a base model with its tokenizer files")
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=not download)
-    except OSError as exc:
-        raise ModelError(f"cannot load the tokenizer: {str(exc).splitlines()[0]}", tokenizer_dir,
-                         "give a local model directory (OUTPUT/final)") from exc
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=not download)
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError...: all mean "cannot load"
+        raise load_error("tokenizer", str(tokenizer_dir), exc) from exc
 
 
 def load_for_generation(model_dir: str, adapter: str | None, device, download: bool = False):
-    """torch: the tokenizer and the model (with a PEFT adapter) on `device`, in eval mode."""
+    """torch: the tokenizer and the model (with the adapter, converted to PEFT's format if it is
+    mlx-lm's) on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    check_base(model_dir, download, what="model")
+    check_adapter_use(model_dir, adapter)
     tokenizer = load_tokenizer(model_dir, adapter, download)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=not download)
-    except OSError as exc:
-        raise ModelError(f"cannot load the model: {str(exc).splitlines()[0]}", model_dir,
-                         "give a local model directory (OUTPUT/final)") from exc
+    except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, ValueError...: all mean "cannot load"
+        raise load_error("model", model_dir, exc) from exc
     if adapter:
-        from peft import PeftModel
+        from ptbr.finetune.merge import apply_adapter
 
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            raise ModelError("no adapter_config.json in the adapter directory", adapter, "give OUTPUT/adapters")
-        model = PeftModel.from_pretrained(model, adapter)
+        with ExitStack() as stack:  # PEFT copies the weights in: a converted adapter's directory may go
+            model = apply_adapter(model, Path(adapter_as(adapter, "peft", stack)))
     return tokenizer, model.to(device).eval()
 
 
@@ -81,48 +116,54 @@ def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> 
     template means a chat model. --raw always continues the prompt as plain text."""
     if raw:
         return False
-    from ptbr.finetune.adapter import read_adapter_meta
-
-    meta = read_adapter_meta(adapter or model_dir)
+    meta = read_adapter_meta(adapter_files(adapter) or model_dir)
     if "format" in meta:
         return meta["format"] == "messages"
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def generate_mlx(args, adapter: str | None) -> tuple[str, bool]:
+def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
     from ptbr.backends.mlx import generate as mlx_generate
     from ptbr.backends.mlx.device import resolve_device
     from ptbr.backends.mlx.lora import local_model_dir
 
     resolve_device(args.device)
-    model_dir = local_model_dir(args.model, args.download, "model")
-    tokenizer = load_tokenizer(str(model_dir), adapter)
-    chat = is_chat_model(str(model_dir), adapter, tokenizer, args.raw)
-    model = mlx_generate.load_for_generation(model_dir, Path(adapter) if adapter else None)
+    model_dir = str(local_model_dir(args.model, args.download, "model"))
+    check_adapter_use(model_dir, args.adapter)
+    tokenizer = load_tokenizer(model_dir, args.adapter, args.download)
+    chat = is_chat_model(model_dir, args.adapter, tokenizer, args.raw)
+    weights = args.adapter and adapter_as(args.adapter, "mlx", stack)
+    model = mlx_generate.load_for_generation(Path(model_dir), Path(weights) if weights else None)
     new = mlx_generate.generate(model, prompt_ids(tokenizer, args.prompt, chat), {tokenizer.eos_token_id},
                                 args.max_new_tokens, args.temperature, args.top_k, args.seed)
     return tokenizer.decode(new, skip_special_tokens=True), chat
 
 
 def main(args) -> int:
-    if args.max_new_tokens <= 0 or args.temperature < 0 or args.top_k < 0:
-        raise ConfigError("--max-new-tokens must be > 0, --temperature and --top-k >= 0", "ptbr generate",
-                          "correct the values")
+    problems = []
+    if not args.prompt.strip():
+        problems.append("the prompt is empty")
+    if args.max_new_tokens <= 0:
+        problems.append(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        problems.append(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        problems.append(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 <= args.seed < MAX_SEED:
+        problems.append(f"--seed must be within [0, 2**63), got {args.seed}")
+    collect(problems, ConfigError, "ptbr generate", "correct the values (see `ptbr generate --help`)")
     quiet_transformers()
     from ptbr.backends import resolve_name
-    from ptbr.finetune.export import adapter_as
 
-    check_base(args.model, args.download, "model")
-    backend = resolve_name(args.backend)
     with ExitStack() as stack:
-        if backend == "mlx":
-            text, chat = generate_mlx(args, args.adapter and adapter_as(args.adapter, "mlx", stack))
+        if resolve_name(args.backend) == "mlx":
+            text, chat = generate_mlx(args, stack)
         else:
             from ptbr.backends.torch.device import resolve_device
 
-            adapter = args.adapter and adapter_as(args.adapter, "peft", stack)
-            tokenizer, model = load_for_generation(args.model, adapter, resolve_device(args.device), args.download)
-            chat = is_chat_model(args.model, adapter, tokenizer, args.raw)
+            tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device),
+                                                   args.download)
+            chat = is_chat_model(args.model, args.adapter, tokenizer, args.raw)
             text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                             args.seed, chat=chat)
     print(text.strip() if chat else args.prompt + text)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ptbr.commands import DEFAULT_VOCAB_SIZE, check_preset_request
+from ptbr.commands import check_preset_request
+from ptbr.config import DEFAULT_VOCAB_SIZE
 from ptbr.errors import ConfigError, DataError
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # torch; the MLX backend's estimate is shown as mlx-bf16

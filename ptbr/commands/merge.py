@@ -7,6 +7,6 @@ def main(args) -> int:
     quiet_transformers()
     from ptbr.finetune.merge import merge_adapter
 
-    output = merge_adapter(args.base, args.adapter, args.output, args.dtype, args.trust_remote_code)
+    output = merge_adapter(args.base, args.adapter, args.output, args.dtype, args.trust_remote_code, args.download)
     print(f"merged model written to {output}")
     return 0

@@ -14,14 +14,14 @@ def main(args) -> int:
     from ptbr.preflight.settings import requested_settings
 
     settings, given = requested_settings(args.mode, args)
-    args.output = settings["output"]  # for the crash report
+    args.output = settings.output  # for the crash report
     quiet_transformers()
-    result = run_preflight(args.mode, settings, load_weights=args.load_test, given=given)
+    result = run_preflight(settings, load_weights=args.load_test, given=given)
     print_result(result)
     if result.failed:
         names = ", ".join(c.name for c in result.failed)
         raise PreflightFailed(f"{len(result.failed)} check(s) failed: {names}",
-                              str(result.report_path or settings["output"]), "apply the fixes listed above, then run "
+                              str(result.report_path or settings.output), "apply the fixes listed above, then run "
                               "preflight again")
     return 0
 

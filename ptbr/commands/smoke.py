@@ -11,11 +11,20 @@ from ptbr.commands import quiet_transformers
 from ptbr.errors import Interrupted, PtbrError, SmokeFailed
 from ptbr.log import log
 
+# Marks a directory as smoke's own, so that `ptbr smoke --output DIR` never writes into someone's run.
+SMOKE_MARKER = ".ptbr-smoke"
+
 
 def run_smoke(output: Path, device: str = "auto", backend: str = "auto") -> dict:
     from ptbr.config import PretrainConfig
+    from ptbr.runs.common import create_run_dir
     from ptbr.runs.pretrain import run_pretrain
 
+    if output.is_dir() and any(output.iterdir()) and not (output / SMOKE_MARKER).is_file():
+        raise SmokeFailed("smoke failed: --output already holds other files (a run, a dataset?); smoke writes a "
+                          "run of its own there", str(output), "give a new or empty directory")
+    create_run_dir(str(output))
+    (output / SMOKE_MARKER).write_text("a `ptbr smoke` run: a later smoke may replace it\n")
     settings = PretrainConfig(output=str(output), model_size="tiny", seq_len=64, batch_size=4, max_steps=1,
                               save_every=1, eval_every=1, eval_batches=2, device=device, backend=backend,
                               resume="never")

@@ -1,6 +1,6 @@
 """`ptbr train`."""
 
-from ptbr.commands import quiet_transformers, settings_from_args
+from ptbr.commands import quiet_transformers, run_or_launch, settings_from_args
 from ptbr.config import PretrainConfig
 
 
@@ -10,5 +10,4 @@ def main(args) -> int:
     quiet_transformers()
     from ptbr.runs.pretrain import run_pretrain
 
-    run_pretrain(settings)
-    return 0
+    return run_or_launch(settings, args, run_pretrain)

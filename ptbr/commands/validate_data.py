@@ -3,49 +3,64 @@ number; exit code 0 only when every file is clean (warnings, such as long exampl
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 from ptbr.config import FinetuneConfig
-from ptbr.errors import DataError
+from ptbr.errors import ConfigError, DataError
+from ptbr.finetune.data import data_paths
+from ptbr.flags import setting_default
 
 
-def jsonl_files(paths: list[str]) -> list[Path]:
-    """Files as given; a directory stands for its train.jsonl and valid.jsonl (as --data DIR does)."""
+def data_sets(paths: list[str]) -> list[tuple[Path, Path | None]]:
+    """What to check: a directory stands for its train.jsonl and valid.jsonl (as finetune's --data
+    DIR does, checked as a pair); a file stands for itself."""
     found = []
     for name in paths:
         path = Path(name)
-        if path.is_dir():
-            found += [path / n for n in ("train.jsonl", "valid.jsonl") if (path / n).is_file()] or [path / "train.jsonl"]
-        else:
-            found.append(path)
+        found.append(data_paths(name, None) if path.is_dir() else (path, None))
     return found
 
 
 def main(args) -> int:
-    from ptbr.finetune.data import inspect_jsonl
+    from ptbr.finetune.data import inspect_pair
 
     max_seq_len = args.max_seq_len
     if max_seq_len is None:
-        max_seq_len = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}["max_seq_len"]
-    tokenizer = None
+        max_seq_len = setting_default(FinetuneConfig, "max_seq_len")
+    elif max_seq_len <= 0:
+        raise ConfigError(f"--max-seq-len must be a positive integer, got {max_seq_len}", "ptbr validate-data",
+                          "give a length in tokens, e.g. --max-seq-len 1024")
+    tokenizer, positions = None, None
     if args.base:
         from ptbr.commands import quiet_transformers
-        from ptbr.finetune.base import load_tokenizer
+        from ptbr.finetune.base import (
+            check_tokenizer_fits,
+            load_tokenizer,
+            max_positions,
+            read_config,
+        )
 
         quiet_transformers()
-        tokenizer = load_tokenizer(args.base, args.trust_remote_code)
-    reports = [inspect_jsonl(path, tokenizer, max_seq_len) for path in jsonl_files(args.files)]
+        tokenizer = load_tokenizer(args.base, args.trust_remote_code, args.download)
+        config = read_config(args.base)
+        check_tokenizer_fits(args.base, tokenizer, config)
+        positions = max_positions(config)
+    # the verdict `ptbr finetune` and preflight give: the same function decides
+    reports = [r for train, valid in data_sets(args.files)
+               for r in inspect_pair(train, valid, tokenizer, max_seq_len, args.drop_long, positions)]
     if args.json:
         print(json.dumps([{"file": str(r.path), "format": r.schema, "examples": len(r.records),
+                           "usable": len(r.examples) if tokenizer else None,
                            "longest_tokens": r.longest if tokenizer else None, "too_long": r.too_long,
                            "problems": r.problems, "warnings": r.warnings} for r in reports], indent=2))
     else:
         for report in reports:
-            described = f"{len(report.records)} valid examples ({report.schema or 'no known format'})"
-            if tokenizer is not None and report.longest:
-                described += f", longest {report.longest:,} tokens (max_seq_len {max_seq_len:,})"
+            count = len(report.records)
+            described = f"{count} valid example{'' if count == 1 else 's'} ({report.schema or 'no known format'})"
+            if tokenizer is not None and report.records:
+                described += (f", {len(report.examples)} usable within max_seq_len {max_seq_len:,} "
+                              f"(longest {report.longest:,} tokens)")
             print(f"{report.path}: {described}")
             for problem in report.problems:
                 print(f"  {problem}")

@@ -82,6 +82,11 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, bool]]:
             if not isinstance(text, str):
                 raise DataError('line has no string "text" field', f"{path}:{number}",
                                 'write one {"text": "..."} object per line')
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise DataError('"text" holds invalid Unicode (an unpaired surrogate escape such as \\ud800)',
+                                f"{path}:{number}", "fix or remove that line") from None
             if text.strip():
                 yield text, True
 

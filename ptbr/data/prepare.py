@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ptbr.config import DEFAULT_VOCAB_SIZE
 from ptbr.data.corpus import find_corpus_files, iter_documents, iter_texts
 from ptbr.data.tokenizer import PAD_TOKEN, eos_id, load_tokenizer, train_tokenizer
 from ptbr.data.tokens import INCOMPLETE_MARKER
@@ -19,6 +20,8 @@ from ptbr.files import file_sha256, fsync, remove_leftovers, writing
 META_FORMAT = "ptbr-tokens"
 DOCS_PER_BATCH = 256
 DATASET_FILES = ("tokenizer.json", "train.bin", "val.bin", "meta.json")
+# Far beyond any real vocabulary (the largest are ~260k), and what uint32 ids and RAM allow.
+MAX_VOCAB_SIZE = 1 << 20
 # A trained vocabulary below this share of --vocab-size is reported (the corpus ran out of merges).
 FULL_VOCAB_SHARE = 0.9
 
@@ -28,7 +31,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
 
 
-def prepare(inputs: list[str], output: str | Path, vocab_size: int = 32000, val_fraction: float = 0.005,
+def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE, val_fraction: float = 0.005,
             tokenizer_path: str | None = None, show_progress: bool | None = None) -> dict:
     """Tokenize a corpus into a dataset directory and return its meta.json contents.
 
@@ -36,8 +39,12 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = 32000, val_
     the end, meta.json last, with INCOMPLETE_MARKER present while the files are swapped: a crash or
     a full disk never leaves token files that look like a complete dataset."""
     problems = []
-    if not isinstance(vocab_size, int) or vocab_size < 300:
-        problems.append(f"--vocab-size must be at least 300 (256 bytes + merges), got {vocab_size}")
+    if not isinstance(vocab_size, int) or not 300 <= vocab_size <= MAX_VOCAB_SIZE:
+        problems.append(f"--vocab-size must be within [300, {MAX_VOCAB_SIZE:,}] (256 bytes + merges), got {vocab_size}")
+    if not inputs or any(not str(item).strip() for item in inputs):
+        problems.append("--input must name files or directories, got an empty path")
+    if not str(output).strip():
+        problems.append("--output must be a directory path, got an empty one")
     if not isinstance(val_fraction, float | int) or not 0 <= val_fraction < 1:
         problems.append(f"--val-fraction must be within [0, 1), got {val_fraction}")
     collect(problems, ConfigError, "ptbr prepare", "correct the values (see `ptbr prepare --help`)")
@@ -83,7 +90,7 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
                  "asked: the corpus has no more pairs of tokens that occur twice (a larger corpus, or a smaller "
                  "--vocab-size, gives a full vocabulary)")
     vocab = tokenizer.get_vocab_size()
-    eos = eos_id(tokenizer)
+    eos = eos_id(tokenizer, tokenizer_path or "the trained tokenizer")
     dtype = token_dtype(vocab)
 
     total_bytes = sum(f.stat().st_size for f in files)

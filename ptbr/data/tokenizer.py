@@ -46,13 +46,13 @@ def load_tokenizer(path: str | Path):
                         "re-create it with `ptbr prepare` or copy the original file again") from exc
 
 
-def eos_id(tokenizer) -> int:
+def eos_id(tokenizer, where: str | Path = "tokenizer.json") -> int:
     """The id that separates documents: <|endoftext|>, or the tokenizer's own </s>-like token."""
     for token in (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>"):
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
             return token_id
-    raise DataError("the tokenizer has no end-of-text token", "tokenizer.json",
+    raise DataError("the tokenizer has no end-of-text token", str(where),
                     f"use a tokenizer with {EOS_TOKEN} (as `ptbr prepare` trains)")
 
 

@@ -14,6 +14,8 @@ from ptbr.data.tokenizer import eos_id, load_tokenizer
 from ptbr.errors import DataError
 from ptbr.files import file_sha256
 
+# The token files' element types (little-endian), as meta.json names them.
+TOKEN_DTYPES = ("uint16", "uint32")
 # Present while `ptbr prepare` swaps a dataset's files in (ptbr/data/prepare.py).
 INCOMPLETE_MARKER = ".prepare-incomplete"
 # Tokens scanned for the max id when a dataset has no meta.json; every batch is checked anyway.
@@ -66,7 +68,8 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     (raw uint16 train.bin and a tokenizer.json given with --tokenizer). All problems in one error."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise DataError(f"data directory not found: {directory}", "--data",
+        what = "is a file, not a directory" if directory.exists() else "not found"
+        raise DataError(f"data directory {what}: {directory}", "--data",
                         "give the directory written by `ptbr prepare` (train.bin, val.bin, meta.json)")
     if (directory / INCOMPLETE_MARKER).exists():
         raise DataError("a `ptbr prepare` into this directory did not finish: its files are incomplete", str(directory),
@@ -78,14 +81,16 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     meta = _read_meta(directory)
     tokenizer_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
     if not tokenizer_path.is_file():
-        raise DataError(f"tokenizer not found: {tokenizer_path}", "--tokenizer",
+        if tokenizer:
+            raise DataError(f"tokenizer not found: {tokenizer_path}", "--tokenizer", "give an existing tokenizer.json")
+        raise DataError(f"no tokenizer.json file in the data directory: {tokenizer_path}", str(directory),
                         "give --tokenizer FILE (datasets in the older layout have no tokenizer.json)")
     tok = load_tokenizer(tokenizer_path)
     vocab_size = tok.get_vocab_size()
     problems: list[str] = []
     warnings: list[str] = []
     if meta is not None:
-        dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")
+        dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")  # one of TOKEN_DTYPES (_read_meta)
         if meta.get("vocab_size") != vocab_size:
             problems.append(f"meta.json says vocab_size {meta.get('vocab_size')} but the tokenizer has {vocab_size}")
         sha = meta.get("tokenizer_sha256")
@@ -120,7 +125,7 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     if problems:
         raise DataError("; ".join(problems), str(directory),
                         "re-run `ptbr prepare`, or pass the tokenizer the data was made with")
-    return TokenDataset(directory, tokenizer_path, dtype, vocab_size, eos_id(tok), meta, train, val, warnings)
+    return TokenDataset(directory, tokenizer_path, dtype, vocab_size, eos_id(tok, tokenizer_path), meta, train, val, warnings)
 
 
 def _read_meta(directory: Path) -> dict | None:
@@ -133,6 +138,17 @@ def _read_meta(directory: Path) -> dict | None:
         raise DataError(f"meta.json is not valid JSON: {exc}", str(path), "re-run `ptbr prepare`") from exc
     if not isinstance(meta, dict):
         raise DataError("meta.json must hold an object", str(path), "re-run `ptbr prepare`")
+    problems = []
+    if meta.get("dtype", "uint16") not in TOKEN_DTYPES:
+        problems.append(f"dtype must be one of {', '.join(TOKEN_DTYPES)}, got {meta.get('dtype')!r}")
+    for key in ("vocab_size", "train_tokens", "val_tokens", "eos_id"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            problems.append(f"{key} must be a whole number, got {value!r}")
+    if meta.get("tokenizer_sha256") is not None and not isinstance(meta["tokenizer_sha256"], str):
+        problems.append(f"tokenizer_sha256 must be a string, got {meta['tokenizer_sha256']!r}")
+    if problems:
+        raise DataError("meta.json is malformed: " + "; ".join(problems), str(path), "re-run `ptbr prepare`")
     return meta
 
 
@@ -216,13 +232,18 @@ def read_windows(tokens: np.memmap, path: Path, starts: np.ndarray, seq_len: int
 
 
 class PretrainBatches:
-    """The micro-batches of each optimizer step: batch_size * grad_accum windows drawn together
-    for that step, then split. A batch of 8 x grad_accum 1 and 2 x grad_accum 4 therefore see the
-    same sequences, and the step's batches are a pure function of (seed, step)."""
+    """The micro-batches of each optimizer step: batch_size * grad_accum * world windows drawn
+    together for that step, then split. A batch of 8 x grad_accum 1 and 2 x grad_accum 4 therefore
+    see the same sequences, and the step's batches are a pure function of (seed, step).
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, grad_accum: int, seq_len: int, seed: int):
-        self.batch_size, self.grad_accum = batch_size, grad_accum
-        self.windows = RandomWindows(dataset.train, dataset.train_path, batch_size * grad_accum, seq_len,
+    In a data-parallel run of `world` processes, each global micro-batch of batch_size * world
+    windows is cut into one slice per rank: 2 processes x batch 2 train on exactly the windows of
+    1 process x batch 4."""
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, grad_accum: int, seq_len: int, seed: int,
+                 rank: int = 0, world: int = 1):
+        self.batch_size, self.grad_accum, self.rank, self.world = batch_size, grad_accum, rank, world
+        self.windows = RandomWindows(dataset.train, dataset.train_path, batch_size * grad_accum * world, seq_len,
                                      dataset.vocab_size, seed)
 
     def describe(self, step: int) -> str:
@@ -232,5 +253,8 @@ class PretrainBatches:
         return f"{self.windows.path} at token offsets [{shown}] (seq_len {self.windows.seq_len})"
 
     def cycle(self, step: int) -> list[Batch]:
-        windows = self.windows.batch(step)  # (batch_size * grad_accum, seq_len + 1)
-        return [windows_to_batch(windows[i:i + self.batch_size]) for i in range(0, len(windows), self.batch_size)]
+        windows = self.windows.batch(step)  # (batch_size * grad_accum * world, seq_len + 1)
+        micro = self.batch_size * self.world  # one global micro-batch; this rank's slice of each
+        first = self.rank * self.batch_size
+        return [windows_to_batch(windows[i + first:i + first + self.batch_size])
+                for i in range(0, len(windows), micro)]

@@ -7,9 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ptbr.errors import ConfigError, ModelError, OutputError
 from ptbr.files import write_directory
 
 ADAPTER_META = "ptbr_adapter.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapters.safetensors")
+# What a Hugging Face model directory holds; a merge may replace a directory of only these.
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+               "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+               "chat_template.jinja", "vocab.json", "merges.txt", ADAPTER_META)
 
 
 def save_adapter(backend, adapted, tokenizer, directory: Path, meta: dict) -> None:
@@ -21,6 +27,46 @@ def save_adapter(backend, adapted, tokenizer, directory: Path, meta: dict) -> No
         (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
 
     write_directory(directory, fill, "the adapter")
+
+
+def check_adapter(adapter: str | Path) -> Path:
+    """An adapter directory with its config and weights (PEFT's or mlx-lm's), or a clear error;
+    never a silent lookup on a model hub for a missing file."""
+    path = Path(adapter)
+    if not path.is_dir():
+        raise ModelError("adapter directory " + ("is a file" if path.exists() else "not found"), str(adapter),
+                         "give the adapters/ directory of a fine-tuning run")
+    if not (path / "adapter_config.json").is_file():
+        raise ModelError("no adapter_config.json in the adapter directory", str(adapter),
+                         "give the adapters/ directory of a fine-tuning run")
+    if not any((path / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise ModelError("no adapter weights (adapter_model.safetensors) in the adapter directory", str(adapter),
+                         "copy the complete adapters/ directory")
+    return path
+
+
+def check_merge_output(output: str | Path, base: str, adapter: str | Path) -> Path:
+    """Where a merged model may go: a new or empty directory, or one holding only a model (an
+    earlier merge); never the base, the adapter, a run directory or any other files."""
+    path = Path(output)
+    if not str(output).strip():
+        raise ConfigError("--output must be a directory path, got an empty one", "ptbr merge", "give a new directory")
+    resolved = path.expanduser().resolve()
+    for name, other in (("base model", Path(base).expanduser()), ("adapter", Path(adapter))):
+        if other.exists() and (resolved == other.resolve() or other.resolve() in resolved.parents or
+                               resolved in other.resolve().parents):
+            raise OutputError(f"--output is or holds the {name}: the merge would replace it", str(output),
+                              "give a new directory for the merged model")
+    if path.exists():
+        if not path.is_dir():
+            raise OutputError("--output is a file", str(output), "give a new directory for the merged model")
+        other_files = sorted(p.name for p in path.iterdir() if p.name not in MODEL_FILES and
+                             not (p.is_file() and p.name.startswith("model") and p.suffix == ".safetensors"))
+        if other_files:
+            shown = ", ".join(other_files[:4]) + (", ..." if len(other_files) > 4 else "")
+            raise OutputError(f"--output already holds other files ({shown}): the merge would replace them",
+                              str(output), "give a new directory for the merged model")
+    return path
 
 
 def read_adapter_meta(directory: str | Path) -> dict:

@@ -17,6 +17,9 @@ from ptbr.finetune.data import use_default_chat_template
 from ptbr.log import log
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+# config.json entries that must be positive integers wherever they appear
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "max_position_embeddings")
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # "gpt2" or "mistralai/Mistral-7B-v0.1"
 ORG_AND_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a mistyped path is taken for only if it has a slash
 
@@ -91,7 +94,30 @@ def read_config(base: str) -> dict | None:
                          "give a complete Hugging Face model directory") from exc
     if not isinstance(config, dict):
         raise ModelError("config.json does not hold an object", str(path), "give a complete Hugging Face model directory")
+    text = config.get("text_config")  # multimodal wrappers keep the decoder's settings here
+    config = text if isinstance(text, dict) else config
+    wrong = [key for key in SIZE_KEYS if key in config and
+             (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] <= 0)]
+    if wrong:
+        raise ModelError(f"config.json has sizes that are not positive integers: "
+                         f"{', '.join(f'{k}={config[k]!r}' for k in wrong)}", str(path),
+                         "give a complete, unmodified Hugging Face model directory")
     return config
+
+
+def max_positions(config: dict | None) -> int | None:
+    positions = (config or {}).get("max_position_embeddings")
+    return positions if isinstance(positions, int) and positions > 0 else None
+
+
+def check_tokenizer_fits(base: str, tokenizer, config: dict | None) -> None:
+    """The tokenizer must not produce ids beyond the model's embeddings (a tokenizer of another
+    model fails here, not as an index error in the first step)."""
+    vocab = (config or {}).get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ModelError(f"the tokenizer has {len(tokenizer):,} tokens but the model's vocabulary (config.json "
+                         f"vocab_size) has {vocab:,}: they do not belong together", base,
+                         "use the tokenizer files that came with this model")
 
 
 def fingerprint(base: str) -> str:

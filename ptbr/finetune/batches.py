@@ -32,35 +32,50 @@ class ChatBatches:
     batch_size follow that order, and a step takes grad_accum of them. The last step of an epoch
     takes what remains (fewer micro-batches, the last one possibly short): nothing is dropped.
     cycle(step) is a pure function of (seed, step), so a resumed run sees the same batches.
+
+    In a data-parallel run of `world` processes, a global micro-batch holds batch_size * world
+    examples and each rank takes its slice; a rank left without examples at the end of an epoch
+    runs a micro-batch whose loss covers nothing, so that every rank takes part in every step.
     """
 
-    def __init__(self, examples: list[Example], batch_size: int, grad_accum: int, seed: int, pad_id: int):
+    def __init__(self, examples: list[Example], batch_size: int, grad_accum: int, seed: int, pad_id: int,
+                 rank: int = 0, world: int = 1):
         if not examples:
             raise ValueError("ChatBatches needs at least one example")
         self.examples, self.batch_size, self.grad_accum = examples, batch_size, grad_accum
-        self.seed, self.pad_id = seed, pad_id
-        self.micro_batches_per_epoch = math.ceil(len(examples) / batch_size)
+        self.seed, self.pad_id, self.rank, self.world = seed, pad_id, rank, world
+        self.micro_batches_per_epoch = math.ceil(len(examples) / (batch_size * world))
         self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch / grad_accum)
 
     def order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
 
     def step_examples(self, step: int) -> list[list[Example]]:
-        """The examples of each micro-batch of optimizer step `step`."""
+        """This rank's examples in each micro-batch of optimizer step `step` (possibly none)."""
         epoch, index = divmod(step, self.steps_per_epoch)
         order = self.order(epoch)
         first = index * self.grad_accum
         last = min(first + self.grad_accum, self.micro_batches_per_epoch)
-        return [[self.examples[i] for i in order[m * self.batch_size:(m + 1) * self.batch_size]]
+        micro = self.batch_size * self.world
+        start = self.rank * self.batch_size
+        return [[self.examples[i] for i in order[m * micro + start:m * micro + start + self.batch_size]]
                 for m in range(first, last)]
 
     def cycle(self, step: int) -> list[Batch]:
-        return [collate(examples, self.pad_id) for examples in self.step_examples(step)]
+        return [collate(examples, self.pad_id) if examples else nothing_to_learn(self.examples[0], self.pad_id)
+                for examples in self.step_examples(step)]
 
     def describe(self, step: int) -> str:
         lines = sorted(e.line for micro in self.step_examples(step) for e in micro)
         shown = ", ".join(str(n) for n in lines[:8]) + (", ..." if len(lines) > 8 else "")
         return f"training examples at lines [{shown}]"
+
+
+def nothing_to_learn(example: Example, pad_id: int) -> Batch:
+    """A one-example micro-batch whose loss covers no token."""
+    batch = collate([example], pad_id)
+    batch["labels"][:] = IGNORE_INDEX
+    return batch
 
 
 def fixed_batches(examples: list[Example], batch_size: int, pad_id: int,

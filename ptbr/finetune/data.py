@@ -91,6 +91,10 @@ def check_record(value) -> tuple[str | None, list[str]]:
     """The record's schema and every problem with it."""
     if not isinstance(value, dict):
         return None, [f"expected a JSON object, got {type(value).__name__}"]
+    kinds = [kind for kind, keys in (("messages", ("messages",)), ("prompt/completion", ("prompt", "completion")),
+                                      ("text", ("text",))) if any(k in value for k in keys)]
+    if len(kinds) > 1:
+        return None, [f"holds the keys of several formats ({' and '.join(kinds)}); use one format per line"]
     if "messages" in value:
         return "messages", _check_messages(value["messages"])
     if "prompt" in value or "completion" in value:
@@ -109,7 +113,18 @@ def _check_text(value: dict, key: str) -> list[str]:
         return [f"\"{key}\" must be a string, got {type(text).__name__}"]
     if not text.strip():
         return [f"\"{key}\" is empty"]
+    if not valid_unicode(text):
+        return [f"\"{key}\" holds invalid Unicode (an unpaired surrogate escape such as \\ud800)"]
     return []
+
+
+def valid_unicode(text: str) -> bool:
+    """JSON can escape half a UTF-16 pair ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_messages(messages) -> list[str]:
@@ -130,6 +145,9 @@ def _check_messages(messages) -> list[str]:
             found.append(f"message {number} ({role}) has no text \"content\"")
         elif not content.strip():
             found.append(f"message {number} ({role}) has empty content")
+        elif not valid_unicode(content):
+            found.append(f"message {number} ({role}) holds invalid Unicode (an unpaired surrogate escape such as "
+                         "\\ud800)")
         roles.append(role)
     # an optional system message first, then user and assistant alternating, starting with user
     turn = 0
@@ -335,15 +353,23 @@ def data_paths(data: str, valid: str | None) -> tuple[Path, Path | None]:
 
 
 def inspect_pair(train_path: Path, valid_path: Path | None, tokenizer=None, max_seq_len: int | None = None,
-                 drop_long: bool = False) -> list[JsonlReport]:
+                 drop_long: bool = False, max_positions: int | None = None) -> list[JsonlReport]:
     """The one verdict on a fine-tuning data set, shared by `ptbr finetune`, `validate-data` and
-    preflight: each file checked (and encoded with the length policy, given a tokenizer), and the
-    validation file in the training file's format."""
+    preflight: each file checked (and encoded with the length policy, given a tokenizer), the
+    validation file in the training file's format, and (given the base's max_positions) no example
+    longer than the model can take."""
     reports = [inspect_jsonl(p, tokenizer, max_seq_len, drop_long) for p in (train_path, valid_path) if p is not None]
     train = reports[0]
     for valid in reports[1:]:
         if train.schema and valid.schema and valid.schema != train.schema:
             valid.problems.append(f"it holds {valid.schema!r} examples but the training file holds {train.schema!r}")
+    if max_positions:
+        for report in reports:
+            long = [e.line for e in report.examples if len(e.ids) > max_positions]
+            if long:
+                report.problems.append(
+                    f"{len(long)} examples are longer than the base model's {max_positions} positions even after "
+                    f"the length policy (lines {_lines(long)}): use --max-seq-len {max_positions} or less")
     return reports
 
 

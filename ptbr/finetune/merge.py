@@ -19,7 +19,7 @@ from pathlib import Path
 from ptbr.backends.torch.lora import refuse_prequantized
 from ptbr.errors import ConfigError, ModelError
 from ptbr.files import write_directory
-from ptbr.finetune.adapter import ADAPTER_META, read_adapter_meta
+from ptbr.finetune.adapter import ADAPTER_META, check_adapter, check_merge_output, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
 from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
@@ -28,35 +28,32 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
 def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str = "auto",
-                  trust_remote_code: bool = False) -> Path:
+                  trust_remote_code: bool = False, download: bool = False) -> Path:
     """Write base + adapter, merged, to `output` (written aside, then renamed into place). With
     torch installed PEFT merges (either format); without it, MLX does (ptbr/backends/mlx/merge.py)."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}", "--dtype", f"use one of: {', '.join(DTYPES)}")
-    adapter, output = Path(adapter), Path(output)
-    adapter_format(adapter)  # PEFT's or mlx-lm's, else a ModelError that says what is missing
-    check_base(base)
+    adapter = check_adapter(adapter)
+    adapter_format(adapter)  # PEFT's or mlx-lm's weights with their config, else a ModelError naming the file
+    output = check_merge_output(output, base, adapter)
+    check_base(base, download)
     if find_spec("torch") is None and find_spec("mlx") is not None:
-        return _merge_with_mlx(base, adapter, output, dtype, trust_remote_code)
+        return _merge_with_mlx(base, adapter, output, dtype, trust_remote_code, download)
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     refuse_prequantized(base)
     torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                     local_files_only=not download)
         tokenizer_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code,
+                                                  local_files_only=not download)
     except Exception as exc:  # noqa: BLE001
         raise load_error("base model", base, exc) from exc
-    try:
-        with ExitStack() as stack:  # an mlx-lm adapter is merged through its PEFT conversion
-            merged = PeftModel.from_pretrained(model, adapter_as(adapter, "peft", stack)).merge_and_unload()
-    except Exception as exc:  # noqa: BLE001 - a shape or name mismatch: the adapter is for another base
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
-                         "give the --base the adapter was trained on") from exc
+    with ExitStack() as stack:  # an mlx-lm adapter is merged through its PEFT conversion
+        merged = apply_adapter(model, Path(adapter_as(adapter, "peft", stack))).merge_and_unload()
 
     meta = read_adapter_meta(adapter)
 
@@ -71,14 +68,32 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
     return output
 
 
-def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_remote_code: bool) -> Path:
+def apply_adapter(model, adapter: Path):
+    """The PEFT adapter on `model`; an adapter that cannot be read, or was trained on another base,
+    is one ModelError that says which of the two it is."""
+    from peft import PeftModel
+
+    try:
+        return PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - peft raises many kinds; all mean "this adapter cannot be used here"
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        if "size mismatch" in str(exc) or "shape" in str(exc).lower() or "Missing key" in str(exc):
+            raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
+                             "give the base model the adapter was trained on (its ptbr_adapter.json names it)") from exc
+        raise ModelError(f"the adapter cannot be loaded: {reason}", str(adapter),
+                         "check that the adapter directory is complete and uncorrupted (OUTPUT/adapters)") from exc
+
+
+def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_remote_code: bool,
+                    download: bool) -> Path:
     from transformers import AutoTokenizer
 
     from ptbr.backends.mlx.merge import merge_into
 
     tokenizer_dir = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code,
+                                                  local_files_only=not download)
     except Exception as exc:  # noqa: BLE001
         raise load_error("tokenizer", str(tokenizer_dir), exc) from exc
     meta = read_adapter_meta(adapter)
@@ -86,7 +101,7 @@ def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_re
 
     def fill(tmp: Path) -> None:
         with ExitStack() as stack:
-            merged["dtype"] = merge_into(base, Path(adapter_as(adapter, "mlx", stack)), tmp, dtype)
+            merged["dtype"] = merge_into(base, Path(adapter_as(adapter, "mlx", stack)), tmp, dtype, download)
         tokenizer.save_pretrained(str(tmp))
         if meta:
             (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

@@ -12,8 +12,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptbr.config import DEFAULT_VOCAB_SIZE, LoopSettings, get_preset
 from ptbr.files import write_text
-from ptbr.memory import GIB, Architecture
+from ptbr.finetune.base import max_positions as base_positions
+from ptbr.memory import GIB, Architecture, quant_name
 from ptbr.preflight.checks import (
     FAIL,
     PASS,
@@ -33,7 +35,7 @@ from ptbr.preflight.checks import (
     read_base_config,
 )
 from ptbr.preflight.hardware import GPU, Hardware, probe_hardware
-from ptbr.preflight.recommend import Recommendation, choose_target, quantization, recommend
+from ptbr.preflight.recommend import Recommendation, choose_target, mode_of, recommend, seq_key
 
 __all__ = ["GPU", "Check", "Hardware", "PreflightResult", "Recommendation", "probe_hardware", "recommend",
            "run_preflight"]
@@ -60,37 +62,41 @@ class PreflightResult:
         return {s: sum(1 for c in self.checks if c.status == s) for s in (PASS, WARN, FAIL)}
 
 
-def run_preflight(mode: str, settings: dict, hardware: Hardware | None = None, load_weights: bool = False,
+def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load_weights: bool = False,
                   versions: dict | None = None, write: bool = True, given: set[str] | None = None) -> PreflightResult:
-    """Every check for a `mode` run with these settings (a plain dict of PretrainConfig's or
-    FinetuneConfig's fields); writes the two files into settings["output"] when `write`.
+    """Every check for a run with these settings (PretrainConfig: `ptbr train`, FinetuneConfig:
+    `ptbr finetune`); writes the two files into settings.output when `write`.
     `given`: the settings the user set, kept in recommended_config.json (None: all of them)."""
+    mode = mode_of(settings)
     hardware = hardware or probe_hardware()
-    target = choose_target(hardware, mode, settings.get("device", "auto"), settings.get("backend", "auto"))
-    checks = check_hardware(hardware, settings.get("device", "auto"))
+    target = choose_target(hardware, mode, settings.device, settings.backend)
+    checks = check_hardware(hardware, settings.device)
     arch, max_positions, examples, longest, sizes = None, None, None, None, {}
 
     if mode == "pretrain":
         data_checks, dataset = check_pretrain_data(settings)
         vocab = dataset.vocab_size if dataset is not None else None
         checks += data_checks + check_preset(settings, vocab)
-        from ptbr.config import PRESETS
-
-        preset = PRESETS[settings["model_size"]]
-        arch = Architecture.from_preset(preset, vocab or 32000)
+        preset = get_preset(settings.model_size)
+        arch = Architecture.from_preset(preset, vocab or DEFAULT_VOCAB_SIZE)
         max_positions = preset.max_position_embeddings
         quant = None
     else:
-        quant = quantization(settings, target)
+        quant = quant_name(settings.quant, target)
         model_checks, base_config = read_base_config(settings)
-        tokenizer_checks, tokenizer = load_base_tokenizer(settings) if base_config else ([], None)
-        data_checks, summary = check_finetune_data(settings, tokenizer)
+        tokenizer_checks, tokenizer = load_base_tokenizer(settings, base_config) if base_config else ([], None)
+        max_positions = base_positions(base_config)
+        data_checks, summary = check_finetune_data(settings, tokenizer, max_positions)
         checks += model_checks + tokenizer_checks + data_checks
         examples, longest = summary.get("examples") or None, summary.get("longest") or None
         if base_config:
-            arch = Architecture.from_hf_config(base_config)
-            max_positions = base_config.get("max_position_embeddings")
-            if load_weights:
+            try:
+                arch = Architecture.from_hf_config(base_config)
+            except (KeyError, TypeError, ValueError) as exc:
+                checks.append(Check("model.architecture", FAIL, str(exc), "the memory model cannot read this "
+                                    f"config.json ({type(exc).__name__}: {exc})", "use a Llama/Mistral/Qwen-style "
+                                    "decoder"))
+            if load_weights and tokenizer is not None:
                 checks.append(load_test(settings))
 
     checks += check_packages(mode, target, quant, versions)
@@ -99,16 +105,16 @@ def run_preflight(mode: str, settings: dict, hardware: Hardware | None = None, l
 
     recommendation = None
     if arch is not None:
-        recommendation = recommend(hardware, mode, settings, arch, max_positions=max_positions, examples=examples,
+        recommendation = recommend(hardware, settings, arch, max_positions=max_positions, examples=examples,
                                    longest=longest)
         checks += _memory_checks(recommendation, settings)
-        trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(int(settings.get("lora_r", 16)))
-        needed, one = checkpoint_plan(mode, recommendation.settings, arch.parameters, trainable, examples)
+        trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(settings.lora_r)
+        needed, one = checkpoint_plan(recommendation.settings, arch.parameters, trainable, examples)
         sizes = {"parameters": arch.parameters, "trainable": trainable}
     else:
         needed, one = 0, 0
-    checks += check_output(settings["output"], needed, one, hardware.in_kaggle)
-    checks += check_kaggle(hardware, settings["output"])
+    checks += check_output(settings.output, needed, one, hardware.in_kaggle)
+    checks += check_kaggle(hardware, settings.output)
 
     result = PreflightResult(mode, checks, hardware, recommendation, extra=sizes)
     if write:
@@ -116,13 +122,13 @@ def run_preflight(mode: str, settings: dict, hardware: Hardware | None = None, l
     return result
 
 
-def _memory_checks(rec: Recommendation, settings: dict) -> list[Check]:
-    key = "seq_len" if "seq_len" in rec.settings else "max_seq_len"
+def _memory_checks(rec: Recommendation, settings: LoopSettings) -> list[Check]:
+    key = seq_key(mode_of(settings))
     asked = rec.requested_estimate
     checks = []
     value = {"target": rec.target, "budget": rec.budget, "predicted_peak": asked.total, "phase": asked.peak_phase}
-    requested = (f"batch_size {settings['batch_size']} x {rec.planned_seq} tokens"
-                 f"{', gradient checkpointing' if settings.get('gradient_checkpointing') else ''}")
+    requested = (f"batch_size {settings.batch_size} x {rec.planned_seq} tokens"
+                 f"{', gradient checkpointing' if settings.gradient_checkpointing else ''}")
     if rec.requested_fits:
         checks.append(Check("memory.requested", PASS, value, f"{requested}: predicted peak {asked.total / GIB:.2f} GiB "
                             f"of {rec.budget / GIB:.2f} GiB usable on {rec.target}"))
@@ -131,24 +137,24 @@ def _memory_checks(rec: Recommendation, settings: dict) -> list[Check]:
                             f"more than the {rec.budget / GIB:.2f} GiB usable on {rec.target}",
                             "train with the recommended config (same effective batch)"))
     chosen = rec.estimate
-    value = {"settings": {k: rec.settings[k] for k in ("batch_size", "grad_accum", key, "precision",
-                                                       "gradient_checkpointing")},
+    s = rec.settings
+    value = {"settings": {k: getattr(s, k) for k in ("batch_size", "grad_accum", key, "precision",
+                                                     "gradient_checkpointing")},
              "predicted_peak": chosen.total, "phase": chosen.peak_phase, "estimate": chosen.as_dict()}
     if rec.fits:
-        s = rec.settings
         checks.append(Check("memory.recommended", PASS, value,
-                            f"recommended batch_size {s['batch_size']} x grad_accum {s['grad_accum']}, {key} {s[key]}, "
-                            f"{s['precision']}, gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}: "
+                            f"recommended batch_size {s.batch_size} x grad_accum {s.grad_accum}, {key} {getattr(s, key)}, "
+                            f"{s.precision}, gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}: "
                             f"predicted peak {chosen.total / GIB:.2f} GiB"))
     else:
-        fix = ("use a smaller preset, or a machine with more memory" if "seq_len" in rec.settings else
+        fix = ("use a smaller preset, or a machine with more memory" if key == "seq_len" else
                "use --quant 4bit, fewer --target-modules (e.g. q_proj,v_proj), a smaller base, or more memory")
         checks.append(Check("memory.recommended", FAIL, value, rec.reasons[-1], fix))
     return checks
 
 
-def _write(result: PreflightResult, settings: dict, given: set[str] | None) -> None:
-    directory = Path(settings["output"])
+def _write(result: PreflightResult, settings: LoopSettings, given: set[str] | None) -> None:
+    directory = Path(settings.output)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -156,9 +162,8 @@ def _write(result: PreflightResult, settings: dict, given: set[str] | None) -> N
     from ptbr import __version__
 
     rec = result.recommendation
-    if rec is not None and rec.fits:
-        result.config_path = directory / CONFIG_FILE
-        _write_json(result.config_path, rec.config_file(given))
+    # a config only for a run that can start: with a failed check it would only lead into that failure
+    config_path = directory / CONFIG_FILE if rec is not None and rec.fits and not result.failed else None
     report = {
         "ptbr": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -166,17 +171,21 @@ def _write(result: PreflightResult, settings: dict, given: set[str] | None) -> N
         "ok": not result.failed,
         "summary": result.summary(),
         "hardware": result.hardware.as_dict(),
-        "requested": settings,
+        "requested": dataclasses.asdict(settings),
         "checks": [c.as_dict() for c in result.checks],
         "memory": None if rec is None else {
             "target": rec.target, "budget": rec.budget, "fits": rec.fits,
             "requested": rec.requested_estimate.as_dict() | {"phase": rec.requested_estimate.peak_phase},
             "recommended": rec.estimate.as_dict() | {"phase": rec.estimate.peak_phase},
         } | result.extra,
-        "recommended_config": str(result.config_path) if result.config_path else None,
+        "recommended_config": str(config_path) if config_path else None,
     }
+    # the report first: a recommended config is never left without the report that explains it
+    _write_json(directory / REPORT_FILE, report)
     result.report_path = directory / REPORT_FILE
-    _write_json(result.report_path, report)
+    if config_path is not None:
+        _write_json(config_path, rec.config_file(given))
+        result.config_path = config_path
 
 
 def _write_json(path: Path, data: dict) -> None:

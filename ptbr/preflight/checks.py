@@ -3,7 +3,6 @@ message and a fix) and never raises for what it finds; a problem is a `fail`, no
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -13,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
 from ptbr.memory import GIB
 from ptbr.preflight.hardware import Hardware
@@ -147,14 +147,14 @@ def check_packages(mode: str, target: str, quant: str | None, versions: dict[str
 # --------------------------------------------------------------------------------------------
 
 
-def check_pretrain_data(settings: dict) -> tuple[list[Check], Any]:
+def check_pretrain_data(settings: PretrainConfig) -> tuple[list[Check], Any]:
     """The token dataset: opens, formats, token counts, max id < vocab. Returns (checks, dataset)."""
     from ptbr.data import SAMPLE_DIR
     from ptbr.data.tokens import describe, open_dataset
 
-    directory = settings.get("data") or SAMPLE_DIR
+    directory = settings.data or SAMPLE_DIR
     try:
-        dataset = open_dataset(directory, settings.get("tokenizer"))
+        dataset = open_dataset(directory, settings.tokenizer)
         info = describe(dataset)
     except PtbrError as exc:
         return [Check("data.dataset", FAIL, str(directory), exc.what, exc.fix)], None
@@ -162,20 +162,20 @@ def check_pretrain_data(settings: dict) -> tuple[list[Check], Any]:
         return [Check("data.dataset", FAIL, str(directory), f"cannot read the dataset: {type(exc).__name__}: {exc}",
                       "re-run `ptbr prepare`")], None
     checks = [Check("data.dataset", PASS, info, f"{directory} ({info['layout']}), vocab {info['vocab_size']:,}, "
-                    f"{info['dtype']} tokens" + (" (the bundled sample)" if not settings.get("data") else ""))]
+                    f"{info['dtype']} tokens" + (" (the bundled sample)" if not settings.data else ""))]
     for problem in info["problems"]:
         checks.append(Check("data.token_ids", FAIL, problem, problem,
                             "re-run `ptbr prepare`, or pass the tokenizer the data was made with"))
     for warning in info["warnings"]:
         checks.append(Check("data.warning", WARN, warning, warning, "see the message"))
-    seq = settings["seq_len"]
+    seq = settings.seq_len
     train = info["train_tokens"]
     if train < seq + 1:
         checks.append(Check("data.train", FAIL, train, f"train.bin holds {train:,} tokens, fewer than seq_len + 1 = {seq + 1}",
                             "lower --seq-len or add data"))
     else:
-        per_step = settings["batch_size"] * settings["grad_accum"] * seq
-        passes = per_step * settings["max_steps"] / train
+        per_step = settings.batch_size * settings.grad_accum * seq
+        passes = per_step * settings.max_steps / train
         many = passes > 100
         checks.append(Check("data.train", WARN if many else PASS, {"tokens": train, "max_id": info.get("train_max_id"),
                                                                     "passes": round(passes, 2)},
@@ -187,22 +187,24 @@ def check_pretrain_data(settings: dict) -> tuple[list[Check], Any]:
     return checks, dataset
 
 
-def check_finetune_data(settings: dict, tokenizer=None) -> tuple[list[Check], dict]:
-    """The JSONL files, checked line by line as `ptbr finetune` will (and encoded, with the length
-    policy applied, when the base's tokenizer loaded). Returns (checks, {"examples", "longest"})."""
-    from ptbr.finetune.data import data_paths, inspect_jsonl, problems_summary
+def check_finetune_data(settings: FinetuneConfig, tokenizer=None, positions: int | None = None
+                        ) -> tuple[list[Check], dict]:
+    """The JSONL files, with the verdict `ptbr finetune` and `validate-data` give (and encoded, with
+    the length policy applied, when the base's tokenizer loaded). Returns (checks, {"examples", "longest"})."""
+    from ptbr.finetune.data import data_paths, inspect_pair, problems_summary
 
     try:
-        train_path, valid_path = data_paths(settings["data"], settings.get("valid"))
+        train_path, valid_path = data_paths(settings.data, settings.valid)
     except PtbrError as exc:
-        return [Check("data.train", FAIL, settings["data"], exc.what, exc.fix)], {}
+        return [Check("data.train", FAIL, settings.data, exc.what, exc.fix)], {}
     checks, summary = [], {}
-    for name, path in (("data.train", train_path), ("data.valid", valid_path)):
-        if path is None:
+    reports = inspect_pair(train_path, valid_path, tokenizer, settings.max_seq_len, settings.drop_long, positions)
+    for name, report in zip(("data.train", "data.valid"), reports + [None], strict=False):
+        if report is None:
             checks.append(Check(name, WARN, None, "no validation file: no evaluation, adapters/ gets the last step's",
                                 "give --valid FILE.jsonl, or put valid.jsonl next to train.jsonl"))
             continue
-        report = inspect_jsonl(path, tokenizer, settings["max_seq_len"], settings.get("drop_long", False))
+        path = report.path
         count = len(report.examples) if tokenizer is not None else len(report.records)
         value = {"path": str(path), "format": report.schema, "examples": count, "longest_tokens": report.longest or None,
                  "too_long": report.too_long, "problems": report.problems[:20], "warnings": report.warnings}
@@ -228,26 +230,27 @@ def check_finetune_data(settings: dict, tokenizer=None) -> tuple[list[Check], di
 # --------------------------------------------------------------------------------------------
 
 
-def check_preset(settings: dict, vocab_size: int | None) -> list[Check]:
-    from ptbr.config import PRESETS
-
-    preset = PRESETS[settings["model_size"]]
-    vocab = vocab_size or 32000
+def check_preset(settings: PretrainConfig, vocab_size: int | None) -> list[Check]:
+    preset = get_preset(settings.model_size)
+    vocab = vocab_size or DEFAULT_VOCAB_SIZE
     return [Check("model.preset", PASS, {"model_size": preset.name, "parameters": preset.param_count(vocab),
                                          "vocab_size": vocab},
                   f"{preset.name}: {preset.param_count(vocab):,} parameters at vocab {vocab:,}, "
                   f"up to {preset.max_position_embeddings} positions")]
 
 
-def read_base_config(settings: dict) -> tuple[list[Check], dict | None]:
+def read_base_config(settings: FinetuneConfig) -> tuple[list[Check], dict | None]:
     """The base model's config.json, read as JSON (no weights, no network)."""
-    from ptbr.backends.torch.lora import refuse_prequantized
-    from ptbr.finetune.base import check_base
+    from ptbr.backends import resolve_name
+    from ptbr.finetune.base import check_base, read_config
 
-    base = settings["base"]
+    base = settings.base
     try:
-        check_base(base)
-        refuse_prequantized(base)
+        check_base(base, settings.download)
+        if resolve_name(settings.backend) == "torch":
+            from ptbr.backends.torch.lora import refuse_prequantized
+
+            refuse_prequantized(base)
     except PtbrError as exc:
         return [Check("model.base", FAIL, base, exc.what, exc.fix)], None
     directory = Path(base).expanduser()
@@ -258,16 +261,17 @@ def read_base_config(settings: dict) -> tuple[list[Check], dict | None]:
                           "download it first (huggingface-cli download ...) and give its directory")], None
     path = directory / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        return [Check("model.config", FAIL, str(path), f"cannot read config.json: {exc}",
-                      "give a complete Hugging Face model directory")], None
-    config = config.get("text_config", config)  # multimodal wrappers keep the decoder's here
+        config = read_config(str(directory))
+    except PtbrError as exc:
+        return [Check("model.config", FAIL, str(path), exc.what, exc.fix)], None
     needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in needed if k not in config]
-    if missing:
-        return [Check("model.config", FAIL, str(path), f"config.json lacks {', '.join(missing)}",
-                      "use a Llama/Mistral/Qwen-style decoder")], None
+    wrong = [k for k in needed if k in config and (not isinstance(config[k], int) or config[k] <= 0)]
+    if missing or wrong:
+        found = ([f"lacks {', '.join(missing)}"] if missing else []) + (
+            [f"has non-positive or non-integer {', '.join(wrong)}"] if wrong else [])
+        return [Check("model.config", FAIL, str(path), f"config.json {' and '.join(found)}",
+                      "use a complete Llama/Mistral/Qwen-style decoder config")], None
     kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
     return [Check("model.config", PASS, {k: config.get(k) for k in needed + ("num_key_value_heads", "model_type")},
                   f"{base}: {kind}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
@@ -284,34 +288,33 @@ def _hub_cache_dir(repo_id: str) -> Path | None:
         return None
 
 
-def load_base_tokenizer(settings: dict) -> tuple[list[Check], Any]:
-    from ptbr.finetune.base import load_tokenizer
+def load_base_tokenizer(settings: FinetuneConfig, config: dict | None = None) -> tuple[list[Check], Any]:
+    from ptbr.finetune.base import check_tokenizer_fits, load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(settings["base"], settings.get("trust_remote_code", False))
+        tokenizer = load_tokenizer(settings.base, settings.trust_remote_code, settings.download)
+        check_tokenizer_fits(settings.base, tokenizer, config)
     except PtbrError as exc:
-        return [Check("model.tokenizer", FAIL, settings["base"], exc.what, exc.fix)], None
+        return [Check("model.tokenizer", FAIL, settings.base, exc.what, exc.fix)], None
     return [Check("model.tokenizer", PASS, len(tokenizer), f"the tokenizer loads ({len(tokenizer):,} tokens)")], tokenizer
 
 
-def load_test(settings: dict) -> Check:
+def load_test(settings: FinetuneConfig) -> Check:
     """--load-test: load the base with its adapter exactly as `ptbr finetune` will, then free it."""
     from ptbr.backends import create_backend
-    from ptbr.config import FinetuneConfig
 
     try:
-        config = FinetuneConfig(**settings)
-        backend = create_backend(config.backend, config.device, config.precision)
-        adapted = backend.load_adapted(config)
+        backend = create_backend(settings.backend, settings.device, settings.precision)
+        adapted = backend.load_adapted(settings)
         footprint = adapted.weights_bytes
         del adapted
         backend.release_memory()
         return Check("model.load_test", PASS, footprint, f"the weights load with the adapter ({gib(footprint)})")
     except PtbrError as exc:
-        return Check("model.load_test", FAIL, settings["base"], exc.what, exc.fix)
+        return Check("model.load_test", FAIL, settings.base, exc.what, exc.fix)
     except Exception as exc:  # noqa: BLE001 - a load failure of any kind is a failed check
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        return Check("model.load_test", FAIL, settings["base"], f"the weights do not load: {reason}",
+        return Check("model.load_test", FAIL, settings.base, f"the weights do not load: {reason}",
                      "check the model files and the free memory")
 
 
@@ -357,19 +360,21 @@ def check_output(output: str, needed: int, one_checkpoint: int, in_kaggle: bool)
     return checks
 
 
-def checkpoint_plan(mode: str, settings: dict, parameters: int, trainable: int, examples: int | None) -> tuple[int, int]:
+def checkpoint_plan(settings: PretrainConfig | FinetuneConfig, parameters: int, trainable: int,
+                    examples: int | None) -> tuple[int, int]:
     """(bytes all checkpoints and the final model take, bytes of one checkpoint)."""
+    mode = "finetune" if isinstance(settings, FinetuneConfig) else "pretrain"
     one = checkpoint_bytes(mode, parameters, trainable)
     if mode == "pretrain":
-        steps = settings["max_steps"]
+        steps = settings.max_steps
     else:
-        effective = settings["batch_size"] * settings["grad_accum"]
-        steps = settings.get("max_steps") or 0
+        effective = settings.batch_size * settings.grad_accum
+        steps = settings.max_steps or 0
         if examples:
-            steps = min(steps or math.inf, -(-examples // effective) * int(settings.get("epochs", 1)))
-    count = max(1, math.ceil(steps / max(1, settings["save_every"]))) if steps else 1
-    if settings.get("keep_last"):
-        count = min(count, settings["keep_last"] + 1)  # the newest is written before the oldest goes
+            steps = min(steps or math.inf, -(-examples // effective) * settings.epochs)
+    count = max(1, math.ceil(steps / max(1, settings.save_every))) if steps else 1
+    if settings.keep_last:
+        count = min(count, settings.keep_last + 1)  # the newest is written before the oldest goes
     final = 4 * parameters if mode == "pretrain" else 4 * trainable
     return count * one + final, one
 

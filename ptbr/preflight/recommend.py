@@ -9,18 +9,11 @@ T4-class GPUs, fp32 on CPU and Apple's MPS.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from ptbr.errors import ConfigError
-from ptbr.memory import (
-    GIB,
-    RUNTIME_BYTES,
-    Architecture,
-    MemoryEstimate,
-    estimate_lora_memory,
-    estimate_mlx_memory,
-    estimate_training_memory,
-)
+from ptbr.config import FinetuneConfig, LoopSettings
+from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run
 from ptbr.preflight.hardware import Hardware
 
 # Share of the free memory a run may plan to use: the rest absorbs allocator overhead and model
@@ -34,22 +27,19 @@ METAL_SHARE = 2 / 3
 BUSY_TOKENS = {"cuda": 2048}
 SHORTEST_SEQ = 64
 
-QUANT_ALIASES = {"4bit": "nf4", "nf4": "nf4", "qlora": "nf4", "8bit": "int8", "int8": "int8",
-                 "none": None, "lora": None, "": None}
-
 
 # What recommended_config.json always holds (with the settings the user gave)
 RECOMMENDED_KEYS = {
     "pretrain": ("output", "model_size", "batch_size", "grad_accum", "seq_len", "learning_rate", "precision",
-                 "gradient_checkpointing", "max_steps"),
+                 "gradient_checkpointing", "max_steps", "num_processes", "fsdp"),
     "finetune": ("output", "base", "data", "quant", "lora_r", "batch_size", "grad_accum", "max_seq_len",
-                 "learning_rate", "precision", "gradient_checkpointing", "epochs", "max_steps"),
+                 "learning_rate", "precision", "gradient_checkpointing", "epochs", "max_steps", "num_processes"),
 }
 
 
 @dataclass
 class Recommendation:
-    settings: dict  # the requested settings with the recommended values in place
+    settings: LoopSettings  # the requested settings with the recommended values in place
     fits: bool
     target: str  # cuda | cpu | mps | mlx
     budget: int  # bytes the run may use
@@ -66,27 +56,19 @@ class Recommendation:
         """recommended_config.json, as `ptbr train/finetune --config` reads it: the settings the
         user gave and the ones recommended (None: all). Defaults derived from other settings (the
         warmup from max_steps) are left out, so that they follow a later --max-steps."""
+        values = dataclasses.asdict(self.settings)
         if given is None:
-            given = set(self.settings)
-        mode = "pretrain" if "seq_len" in self.settings else "finetune"
-        keep = given | {k for k in RECOMMENDED_KEYS[mode] if self.settings.get(k) is not None}
-        return {k: v for k, v in self.settings.items() if k in keep} | {"reasons": list(self.reasons)}
+            given = set(values)
+        keep = given | {k for k in RECOMMENDED_KEYS[mode_of(self.settings)] if values.get(k) is not None}
+        return {k: v for k, v in values.items() if k in keep} | {"reasons": list(self.reasons)}
+
+
+def mode_of(settings: LoopSettings) -> str:
+    return "finetune" if isinstance(settings, FinetuneConfig) else "pretrain"
 
 
 def seq_key(mode: str) -> str:
     return "seq_len" if mode == "pretrain" else "max_seq_len"
-
-
-def quantization(requested: dict, target: str) -> str | None:
-    """The memory model's name for the requested quantization of a fine-tuning base."""
-    raw = requested.get("quant")
-    name = "none" if raw is None else str(raw).lower()
-    if name not in QUANT_ALIASES:
-        raise ConfigError(f"unknown quant {raw!r}", "quant", "use 4bit (QLoRA), 8bit or none (LoRA)")
-    quant = QUANT_ALIASES[name]
-    if quant and target == "mlx":
-        return "mlx4"  # MLX quantizes with its own 4-bit affine format
-    return quant
 
 
 def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "auto") -> str:
@@ -127,10 +109,7 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:
         gpu = hardware.gpus[0]
         budget = int(USABLE_FRACTION["cuda"] * gpu.memory_free)
         reasons.append(f"GPU 0 {gpu.name}: {gib(gpu.memory_free)} of {gib(gpu.memory_total)} free, "
-                       f"planning for {gib(budget)} ({USABLE_FRACTION['cuda']:.0%})")
-        if len(hardware.gpus) > 1:
-            reasons.append(f"{len(hardware.gpus)} GPUs found: a run trains on one, GPU 0; start a second run "
-                           "on another with CUDA_VISIBLE_DEVICES=1")
+                       f"planning for {gib(budget)} ({USABLE_FRACTION['cuda']:.0%}) on each GPU the run uses")
         return budget
     fraction = USABLE_FRACTION.get(target, USABLE_FRACTION["cpu"])
     budget = int(fraction * hardware.ram_available)
@@ -149,50 +128,26 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:
     return budget
 
 
-LORA_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-                "down_proj": "down"}
-
-
-def lora_targets(requested: dict) -> tuple[str, ...]:
-    """The memory model's names for --target-modules (default: every projection)."""
-    names = [n.strip() for n in (requested.get("target_modules") or "").split(",") if n.strip()]
-    known = tuple(LORA_TARGETS[n] for n in names if n in LORA_TARGETS)
-    return known or tuple(LORA_TARGETS.values())
-
-
-def estimate(mode: str, arch: Architecture, requested: dict, target: str, batch_size: int, seq_len: int,
-             precision: str, checkpointing: bool) -> MemoryEstimate:
-    """The memory model for one candidate, the runtime outside the model's tensors included."""
-    overhead = RUNTIME_BYTES.get(target, RUNTIME_BYTES["cpu"])
-    if target == "mlx":  # the MLX backend's own estimate (MLX's 4/8-bit format, its activations)
-        lora = mode == "finetune"
-        quant = str(requested.get("quant") or "none").lower()
-        return estimate_mlx_memory(arch, batch_size, seq_len, precision, int(requested.get("lora_r", 16)) if lora else None,
-                                   {"nf4": 4, "int8": 8}.get(QUANT_ALIASES.get(quant)) if lora else None, checkpointing,
-                                   lora_dropout=lora and float(requested.get("lora_dropout") or 0) > 0,
-                                   overhead=overhead, targets=lora_targets(requested))
-    if mode == "pretrain":
-        return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead)
-    return estimate_lora_memory(arch, batch_size, seq_len, int(requested.get("lora_r", 16)),
-                                quantization(requested, target), precision, checkpointing,
-                                lora_dropout=float(requested.get("lora_dropout") or 0) > 0, overhead=overhead,
-                                targets=lora_targets(requested), device=target)
-
-
-def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture, *,
+def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *,
               max_positions: int | None = None, examples: int | None = None,
               longest: int | None = None) -> Recommendation:
     """The settings to run with on this hardware, and why. Fine-tuning: `examples` gives the
     steps per epoch; `longest` (tokens of the longest example) the length to plan memory for,
     since a micro-batch is padded to its longest example, never beyond it."""
     reasons: list[str] = []
+    mode = mode_of(requested)
     key = seq_key(mode)
-    target = choose_target(hardware, mode, requested.get("device", "auto"), requested.get("backend", "auto"))
-    precision = choose_precision(hardware, target, requested.get("precision", "auto"), reasons)
+    target = choose_target(hardware, mode, requested.device, requested.backend)
+    precision = choose_precision(hardware, target, requested.precision, reasons)
     budget = memory_budget(hardware, target, reasons)
-    effective = requested["batch_size"] * requested["grad_accum"]
-    wants_checkpointing = bool(requested.get("gradient_checkpointing"))
-    cap = requested[key]
+    processes = plan_processes(hardware, target, requested, reasons)
+    effective = requested.batch_size * requested.grad_accum * requested_processes(hardware, target, requested)
+    if effective % processes:
+        processes = max(d for d in range(1, processes + 1) if effective % d == 0)
+        reasons.append(f"{processes} processes: the effective batch {effective} must split evenly among them")
+    share = effective // processes  # sequences per process per step
+    wants_checkpointing = requested.gradient_checkpointing
+    cap = getattr(requested, key)
     if max_positions and cap > max_positions:
         cap = max_positions
         reasons.append(f"{key} {cap}: the model has {max_positions} positions")
@@ -201,17 +156,29 @@ def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture
         planned = longest
         reasons.append(f"memory planned for the longest example, {longest} tokens ({key} {cap} is only a cap)")
 
-    def fits(batch: int, length: int, checkpointing: bool) -> bool:
-        return estimate(mode, arch, requested, target, batch, length, precision, checkpointing).total <= budget
+    sharding = {"fsdp": requested.fsdp if processes > 1 else False}
+
+    def estimate(batch: int, length: int, checkpointing: bool) -> MemoryEstimate:
+        return estimate_run(dataclasses.replace(requested, **sharding), arch, target, batch, length, precision,
+                            checkpointing, processes)
 
     def largest(length: int, checkpointing: bool) -> int | None:
-        return next((b for b in _divisors_descending(effective) if fits(b, length, checkpointing)), None)
+        return next((b for b in _divisors_descending(share) if estimate(b, length, checkpointing).total <= budget),
+                    None)
+
+    # a pretraining model whose AdamW state does not fit one GPU even at micro-batch 1 with
+    # checkpointing is sharded among the processes (FSDP) before anything shorter is tried
+    if (processes > 1 and mode == "pretrain" and not sharding["fsdp"]
+            and estimate(1, planned, True).total > budget):
+        sharding["fsdp"] = True
+        reasons.append(f"FSDP (--fsdp): the training state does not fit one GPU; shared among {processes} GPUs "
+                       "it does")
 
     # the longest sequence first; shorter (halved) only when not even one sequence fits
     choice, length = None, planned
     while choice is None and length >= min(SHORTEST_SEQ, planned):
         plain = None if wants_checkpointing else largest(length, False)
-        if plain is not None and plain * length >= min(effective * length, BUSY_TOKENS.get(target, 1)):
+        if plain is not None and plain * length >= min(share * length, BUSY_TOKENS.get(target, 1)):
             choice = (plain, length, False)
             break
         with_checkpointing = largest(length, True)
@@ -227,32 +194,51 @@ def recommend(hardware: Hardware, mode: str, requested: dict, arch: Architecture
     fits_at_all = choice is not None
     batch, length, checkpointing = choice or (1, min(planned, SHORTEST_SEQ), True)
 
-    chosen = estimate(mode, arch, requested, target, batch, length, precision, checkpointing)
-    asked = estimate(mode, arch, requested, target, requested["batch_size"], planned, precision, wants_checkpointing)
-    settings = dict(requested)
-    settings.update({"batch_size": batch, "grad_accum": effective // batch, key: length if length < planned else cap,
-                     "precision": precision, "gradient_checkpointing": checkpointing})
+    chosen = estimate(batch, length, checkpointing)
+    asked = estimate(requested.batch_size, planned, wants_checkpointing)
+    settings = dataclasses.replace(requested, batch_size=batch, grad_accum=share // batch,
+                                   precision=precision, gradient_checkpointing=checkpointing,
+                                   num_processes=str(processes), **sharding,
+                                   **{key: length if length < planned else cap})
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     if not fits_at_all:
         reasons.append(f"does not fit: micro-batch 1 of {length} tokens with gradient checkpointing needs "
                        f"{gib(chosen.total)}, {gib(budget)} usable")
     else:
-        reasons.append(f"micro-batch {batch} x grad_accum {effective // batch} keeps the requested effective batch "
-                       f"of {effective} sequences; predicted peak {gib(chosen.total)} of {gib(budget)} usable")
+        per = f" x {processes} processes" if processes > 1 else ""
+        reasons.append(f"micro-batch {batch} x grad_accum {share // batch}{per} keeps the requested effective batch "
+                       f"of {effective} sequences; predicted peak {gib(chosen.total)} of {gib(budget)} usable"
+                       f"{' per GPU' if processes > 1 else ''}")
         if length < planned:
             reasons.append(f"{key} lowered from {planned} to {length}: one sequence of {planned} tokens does not fit "
                            "even with gradient checkpointing")
         if not asked.total <= budget:
-            reasons.append(f"the requested micro-batch {requested['batch_size']} x {planned} tokens would need "
+            reasons.append(f"the requested micro-batch {requested.batch_size} x {planned} tokens would need "
                            f"{gib(asked.total)}")
-        reasons.append(f"learning_rate {requested['learning_rate']:g} unchanged: the effective batch is unchanged")
+        reasons.append(f"learning_rate {requested.learning_rate:g} unchanged: the effective batch is unchanged")
     if mode == "finetune" and examples:
-        steps, epochs = -(-examples // effective), int(requested.get("epochs") or 1)
+        steps, epochs = -(-examples // effective), requested.epochs
         reasons.append(f"{examples} training examples / {effective} per step = {steps} steps per epoch, "
                        f"{steps * epochs} for {epochs} epoch{'s' if epochs != 1 else ''}")
     if target == "cpu" and mode == "pretrain" and arch.parameters > 50_000_000:
         reasons.append("training on the CPU: expect hours per thousand steps; a GPU is 10-100x faster")
     return Recommendation(settings, fits_at_all, target, budget, chosen, asked, reasons, planned)
+
+
+def requested_processes(hardware: Hardware, target: str, requested: LoopSettings) -> int:
+    if requested.num_processes == "auto":
+        return max(1, len(hardware.gpus)) if target == "cuda" else 1
+    return int(requested.num_processes)
+
+
+def plan_processes(hardware: Hardware, target: str, requested: LoopSettings, reasons: list[str]) -> int:
+    """Data-parallel processes: one per GPU, on every GPU there is (Kaggle's 2x T4: both)."""
+    gpus = len(hardware.gpus) if target == "cuda" else 0
+    if gpus <= 1:
+        return 1
+    reasons.append(f"{gpus} GPUs: --num-processes {gpus}, one data-parallel process on each "
+                   f"({', '.join(sorted({g.name for g in hardware.gpus}))})")
+    return gpus
 
 
 def _divisors_descending(n: int) -> list[int]:

@@ -5,16 +5,15 @@ preflight accepts exactly what train and finetune accept)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
-from ptbr.config import MODES, build_settings, read_config_file, settings_fields
+from ptbr.config import MODES, LoopSettings, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError
 
 
-def requested_settings(mode: str, args: argparse.Namespace) -> tuple[dict, set[str]]:
-    """The run's settings as a plain dict, exactly as `ptbr train`/`ptbr finetune` would resolve
-    them (defaults < --config file < flags, validated), and the names the user gave. A flag of
-    the other mode is an error."""
+def requested_settings(mode: str, args: argparse.Namespace) -> tuple[LoopSettings, set[str]]:
+    """The run's settings, exactly as `ptbr train`/`ptbr finetune` would resolve them (defaults <
+    --config file < flags, validated), and the names the user gave. A flag of the other mode is an
+    error."""
     cls = MODES[mode]
     names = [f.name for f, _ in settings_fields(cls)]
     everything = {f.name for c in MODES.values() for f, _ in settings_fields(c)}
@@ -25,5 +24,5 @@ def requested_settings(mode: str, args: argparse.Namespace) -> tuple[dict, set[s
     file_values = read_config_file(args.config) if getattr(args, "config", None) else {}
     overrides = {name: getattr(args, name) for name in names if hasattr(args, name)}
     settings = build_settings(cls, file_values, overrides, source=getattr(args, "config", None) or "flags")
-    given = {key.replace("-", "_") for key in file_values} | set(overrides)
-    return dataclasses.asdict(settings), given & set(names)
+    given = {str(key).replace("-", "_") for key in file_values} | set(overrides)
+    return settings, given & set(names)

@@ -18,14 +18,23 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
-from ptbr.errors import ConfigError, ModelError, OutputError, error_line
-from ptbr.files import remove_leftovers, write_json
+from ptbr.errors import ConfigError, DeviceError, ModelError, OutputError, PtbrError, error_line
+from ptbr.files import first_line, remove_leftovers, write_json
 from ptbr.log import attach_run_log, detach, log, to_file_only
-from ptbr.train.checkpoint import checkpoints_dir, complete_checkpoints, corruption, read_state
+from ptbr.memory import Architecture, estimate_run
+from ptbr.report import INSTALL, matplotlib_installed, write_report
+from ptbr.train.checkpoint import (
+    STATE_FILE,
+    checkpoints_dir,
+    complete_checkpoints,
+    corruption,
+    read_state,
+)
 from ptbr.train.lock import RunLock
 from ptbr.train.loop import LoopState, TrainingStep
-from ptbr.train.metrics import loss_summary
+from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule
 
 # What a run leaves in its directory. A run that starts over moves these to OUTPUT/previous/ (the
@@ -49,27 +58,54 @@ def create_run_dir(output: str) -> Path:
 
 
 @contextmanager
-def open_run(settings) -> Iterator[Path]:
+def open_run(settings, world: World | None = None) -> Iterator[Path]:
     """The run directory, created, locked against a second run, and logged to train.log while the
     `with` block runs; the line of an error that ends the run goes to train.log too. With
-    --resume never, the previous run's files are moved aside first."""
-    run_dir = create_run_dir(settings.output)
-    with RunLock(run_dir):
+    --resume never, the previous run's files are moved aside first. In a data-parallel run the
+    main rank does all of this and the other ranks wait for it (and fail with it)."""
+    if settings.tensorboard:
+        require_tensorboard()  # before anything is written or built
+    world = world or SingleProcess()
+    held: dict = {}
+
+    def open_on_main() -> str:
+        run_dir = create_run_dir(settings.output)
+        held["lock"] = RunLock(run_dir).acquire()
         remove_leftovers(run_dir)  # writes cut short by a crash (we hold the lock)
         remove_leftovers(checkpoints_dir(run_dir))
-        handler = attach_run_log(run_dir)
-        try:
-            if settings.resume == "never":
-                moved = move_previous_run(run_dir)
-                if moved is not None:
-                    log(f"--resume never: starting over; the previous run's files were moved to {moved}")
-            yield run_dir
-        except BaseException as exc:
-            if not isinstance(exc, SystemExit):
-                to_file_only(handler, error_line(exc, "crash_report.txt in this directory"))
+        held["log"] = attach_run_log(run_dir)
+        if settings.resume == "never":
+            moved = move_previous_run(run_dir)
+            if moved is not None:
+                log(f"--resume never: starting over; the previous run's files were moved to {moved}")
+        return str(run_dir)
+
+    try:
+        run_dir = Path(world.decide(open_on_main))
+        yield run_dir
+    except BaseException as exc:
+        if "log" in held and not isinstance(exc, SystemExit):
+            to_file_only(held["log"], error_line(exc, "crash_report.txt in this directory"))
+        raise
+    finally:
+        if "log" in held:
+            detach(held["log"])
+        if "lock" in held:
+            held["lock"].release()
+
+
+@contextmanager
+def out_of_memory_is_an_error(backend) -> Iterator[None]:
+    """Without --auto-fit, running out of memory is the user's to fix (exit 5), not a crash."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, PtbrError) or not backend.is_out_of_memory(exc):
             raise
-        finally:
-            detach(handler)
+        raise DeviceError(f"out of memory on {backend.device}: {first_line(exc)[:160]}", "training",
+                          "run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
+                          "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config "
+                          "that fits; the last checkpoint is intact") from exc
 
 
 def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:
@@ -109,10 +145,16 @@ class Resume:
     schedule: Schedule | None = None
 
 
-def find_resume(run_dir: Path, settings, identity: dict) -> Resume:
+def find_resume(run_dir: Path, settings, identity: dict, world: World | None = None) -> Resume:
     """The checkpoint to continue from, per --resume auto|never|PATH, checked against the run
     (`identity`, `settings`) before any model is built. Raises ConfigError for a checkpoint of
-    another run or past --max-steps, ModelError for a named checkpoint that is missing or corrupt."""
+    another run or past --max-steps, ModelError for a named checkpoint that is missing or corrupt.
+    In a data-parallel run the main rank decides (it may move files aside) and every rank gets
+    the same answer."""
+    return (world or SingleProcess()).decide(lambda: _find_resume(run_dir, settings, identity))
+
+
+def _find_resume(run_dir: Path, settings, identity: dict) -> Resume:
     if settings.resume == "never":
         return Resume()  # open_run moved the previous run aside
     if settings.resume == "auto":
@@ -125,9 +167,12 @@ def find_resume(run_dir: Path, settings, identity: dict) -> Resume:
             raise ModelError("checkpoint not found", str(path),
                              "give a checkpoints/step_NNNNNN directory, or --resume auto or never")
         state = read_state(path)
+        if state is None and not (path / STATE_FILE).is_file():
+            raise ModelError("not a checkpoint (it has no trainer_state.json)", str(path),
+                             "give a checkpoints/step_NNNNNN directory, or --resume auto or never")
         if state is None:
-            raise ModelError("the checkpoint is incomplete (a file is missing or has the wrong size)", str(path),
-                             "give another checkpoint, or --resume auto to pick the newest complete one")
+            raise ModelError("the checkpoint is incomplete or malformed (trainer_state.json, or a file it lists)",
+                             str(path), "give another checkpoint, or --resume auto to pick the newest complete one")
         _check_belongs(path, state, settings, identity)
         problem = corruption(path, state)
         if problem:
@@ -248,19 +293,56 @@ def start_state(step: TrainingStep, resume: Resume) -> LoopState:
 # --------------------------------------------------------------------------------------------
 
 
+def effective_batch(settings, world: World) -> int:
+    """Sequences (or examples) per optimizer step: micro-batch x accumulation x processes."""
+    return settings.batch_size * settings.grad_accum * world.size
+
+
+def describe_placement(backend, settings) -> str:
+    world = backend.world
+    line = f"backend {backend.name}, device {backend.device}, precision {backend.precision} ({backend.reason})"
+    if world.size > 1:
+        line += (f"; data parallel over {world.size} processes: batch {settings.batch_size} x grad_accum "
+                 f"{settings.grad_accum} x {world.size} processes = {effective_batch(settings, world)} per step")
+    return line
+
+
+def refuse_auto_fit_in_parallel(settings, world: World) -> None:
+    if settings.auto_fit and world.size > 1:
+        raise ConfigError("--auto-fit runs in one process, not in a data-parallel run", "--auto-fit",
+                          "find the micro-batch with `ptbr preflight` (or --auto-fit in one process), then launch "
+                          "the parallel run with it")
+
+
+def predicted_peak_bytes(settings, arch: Architecture, backend, batch_size: int, seq_len: int) -> int:
+    """The memory model's peak for this run on its backend and device (per process in a
+    data-parallel run), recorded in run_config.json so that `ptbr monitor` and `ptbr report` can
+    set the measured memory (the main rank's) against it."""
+    target = "mlx" if backend.name == "mlx" else backend.device.split(":")[0]
+    predicted = estimate_run(settings, arch, target, batch_size, seq_len, backend.precision,
+                             settings.gradient_checkpointing, backend.world.size)
+    # set against what the backend measures: MLX's allocator peak holds the tensors, not the
+    # interpreter and libraries around them (the runtime a plan adds, as RSS on CPU includes it)
+    return predicted.total - (predicted.overhead if backend.name == "mlx" else 0)
+
+
 def write_run_config(run_dir: Path, command: str, settings, backend, resume: Resume, extra: dict) -> None:
+    """run_config.json (written by the main rank)."""
+    if not backend.world.is_main:
+        return
     write_json(run_dir / "run_config.json", {
         "command": command,
         "settings": dataclasses.asdict(settings),
         **extra,
         "backend": backend.name, "device": backend.device, "precision": backend.precision,
+        "processes": backend.world.size, "effective_batch": effective_batch(settings, backend.world),
         "versions": backend.versions(),
         "resumed_from": str(resume.checkpoint) if resume.checkpoint else None,
     }, "run_config.json")
 
 
 def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict, result: str) -> dict:
-    """training_summary.json (the run's numbers and `extra`), and the last log line."""
+    """training_summary.json (the run's numbers and `extra`), the run's report, and the last log line."""
     summary = {
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
@@ -273,6 +355,7 @@ def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict,
         **extra,
     }
     write_json(run_dir / "training_summary.json", summary, "training_summary.json")
+    write_run_report(run_dir)
     line = f"done: {state.step} steps"
     if summary["final_loss"] is not None:
         line += f", final loss {summary['final_loss']:.4f}"
@@ -281,3 +364,17 @@ def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict,
     log(f"{line}; {result}")
     return summary
 
+
+def write_run_report(run_dir: Path) -> None:
+    """report.md and plots/ of a run that finished, where matplotlib is installed. The run's results
+    are saved by then: a report that cannot be made is a warning, never the run's failure."""
+    if not matplotlib_installed():
+        log(f"no report: matplotlib is not installed; {INSTALL}, then `ptbr report {run_dir}`")
+        return
+    try:
+        path = write_report([run_dir])
+    except Exception as exc:  # noqa: BLE001 - whatever went wrong, the trained model is saved
+        log(f"warning: the run report was not written ({error_line(exc)}); the run's results are saved: "
+            f"`ptbr report {run_dir}` tries again")
+        return
+    log(f"report: {path}, plots in {path.parent / 'plots'}")

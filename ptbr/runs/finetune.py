@@ -13,13 +13,33 @@ from pathlib import Path
 
 from ptbr.backends import create_backend
 from ptbr.config import FinetuneConfig
-from ptbr.errors import ConfigError, DataError
+from ptbr.errors import DataError
 from ptbr.finetune.adapter import save_adapter
-from ptbr.finetune.base import fingerprint, load_tokenizer, local_path
+from ptbr.finetune.base import (
+    check_tokenizer_fits,
+    fingerprint,
+    load_tokenizer,
+    local_path,
+    max_positions,
+    read_config,
+)
 from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
 from ptbr.finetune.data import JsonlReport, data_paths, inspect_pair, problems_summary
 from ptbr.log import log
-from ptbr.runs.common import Resume, find_resume, finish, open_run, start_state, write_run_config
+from ptbr.memory import Architecture
+from ptbr.runs.common import (
+    Resume,
+    describe_placement,
+    effective_batch,
+    find_resume,
+    finish,
+    open_run,
+    out_of_memory_is_an_error,
+    predicted_peak_bytes,
+    refuse_auto_fit_in_parallel,
+    start_state,
+    write_run_config,
+)
 from ptbr.train.autofit import auto_fit, ram_guard, resume_smaller_on_oom
 from ptbr.train.loop import Callbacks, LoopState, fit
 from ptbr.train.schedule import Schedule
@@ -43,31 +63,43 @@ class FinetuneResult:
 
 def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
     backend = create_backend(settings.backend, settings.device, settings.precision)
-    with open_run(settings) as run_dir:
-        with Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report) as watchdog:
+    refuse_auto_fit_in_parallel(settings, backend.world)
+    with open_run(settings, backend.world) as run_dir:
+        with Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
+                      backend.world.rank) as watchdog:
             loaded = _load(settings, backend, run_dir)
             if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
                 result = resume_smaller_on_oom(backend, lambda s: _train(s, backend, loaded, run_dir, watchdog),
                                                settings, run_dir)
             else:
-                result = _train(settings, backend, loaded, run_dir, watchdog)
+                with out_of_memory_is_an_error(backend):
+                    result = _train(settings, backend, loaded, run_dir, watchdog)
         if settings.merge:
             # outside the watchdog: loading and merging a 7B base on the CPU takes minutes
             # without a step to report
-            from ptbr.finetune.merge import merge_adapter
-            from ptbr.files import write_json
-
-            merged = merge_adapter(settings.base, run_dir / "adapters", run_dir / "merged",
-                                   trust_remote_code=settings.trust_remote_code)
-            result.summary["merged"] = str(merged)
-            write_json(run_dir / "training_summary.json", result.summary)
+            result.summary = backend.world.decide(lambda: _merge(settings, run_dir, result.summary))
         return result
 
 
-def load_data(settings: FinetuneConfig, tokenizer) -> tuple[JsonlReport, JsonlReport | None]:
+def _merge(settings: FinetuneConfig, run_dir: Path, summary: dict) -> dict:
+    from ptbr.files import write_json
+    from ptbr.finetune.merge import merge_adapter
+
+    merged = merge_adapter(settings.base, run_dir / "adapters", run_dir / "merged",
+                           trust_remote_code=settings.trust_remote_code, download=settings.download)
+    summary = summary | {"merged": str(merged)}
+    write_json(run_dir / "training_summary.json", summary)
+    return summary
+
+
+def load_data(settings: FinetuneConfig, tokenizer,
+              positions: int | None = None) -> tuple[JsonlReport, JsonlReport | None]:
     """Check and encode train (and valid); every problem of both files in one DataError."""
-    reports = inspect_pair(*data_paths(settings.data, settings.valid), tokenizer, settings.max_seq_len,
-                           settings.drop_long)
+    train_path, valid_path = data_paths(settings.data, settings.valid)
+    if valid_path is not None and valid_path.resolve() == train_path.resolve():
+        log("warning: the validation file is the training file: the validation loss will measure memorisation, "
+            "and the best adapter is the one that fits the training data best")
+    reports = inspect_pair(train_path, valid_path, tokenizer, settings.max_seq_len, settings.drop_long, positions)
     for report in reports:
         for warning in report.warnings:
             log(f"warning: {report.path.name}: {warning}")
@@ -89,7 +121,7 @@ def identity(settings: FinetuneConfig, train: JsonlReport, backend) -> dict:
             "base_files": fingerprint(settings.base), "quant": settings.quant, "lora_r": settings.lora_r,
             "lora_alpha": settings.lora_alpha, "target_modules": settings.target_modules,
             "train_examples": len(train.examples), "train_data": digest.hexdigest()[:16],
-            "seed": settings.seed, "effective_batch": settings.batch_size * settings.grad_accum}
+            "seed": settings.seed, "effective_batch": effective_batch(settings, backend.world)}
 
 
 def steps_per_epoch(examples: int, effective_batch: int) -> int:
@@ -114,19 +146,22 @@ def _load(settings: FinetuneConfig, backend, run_dir: Path) -> Loaded:
     """Tokenizer, checked data and the resume check, then the base + LoRA (last: a 7B base takes
     minutes, and everything that can fail on the settings fails before it)."""
     tokenizer = load_tokenizer(settings.base, settings.trust_remote_code, settings.download)
-    train, valid = load_data(settings, tokenizer)
+    config = read_config(settings.base)  # None for a hub id: the loaded model is checked below
+    check_tokenizer_fits(settings.base, tokenizer, config)
+    width = (config or {}).get("hidden_size")
+    if isinstance(width, int) and settings.lora_r > width:
+        log(f"warning: --lora-r {settings.lora_r} exceeds the base's hidden size {width}: a rank above a layer's "
+            "width adds parameters, not capacity")
+    train, valid = load_data(settings, tokenizer, max_positions(config))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     run_identity = identity(settings, train, backend)
-    resolved = settings.resolve_steps(steps_per_epoch(len(train.examples), settings.batch_size * settings.grad_accum))
-    resume = find_resume(run_dir, resolved, run_identity)
-    log(f"backend {backend.name}, device {backend.device}, precision {backend.precision} ({backend.reason}), "
-        f"base weights {settings.quant}")
+    resolved = settings.resolve_steps(steps_per_epoch(len(train.examples), effective_batch(settings, backend.world)))
+    resume = find_resume(run_dir, resolved, run_identity, backend.world)
+    log(f"{describe_placement(backend, settings)}; base weights {settings.quant}")
     adapted = backend.load_adapted(settings)
-    positions = getattr(adapted, "max_positions", None)
-    longest = max(len(e.ids) for e in train.examples + (valid.examples if valid else []))
-    if positions and longest > positions:
-        raise ConfigError(f"examples of up to {longest} tokens exceed the base model's {positions} positions",
-                          "--max-seq-len", f"use --max-seq-len {positions} or less")
+    if config is None:  # a downloaded base: the same checks, now that its config is known
+        check_tokenizer_fits(settings.base, tokenizer, adapted.config)
+        load_data(settings, tokenizer, adapted.max_positions)
     return Loaded(tokenizer, pad_id, train, valid, adapted, run_identity, (settings.resume, resume))
 
 
@@ -152,14 +187,17 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     adapted.reset()  # a retry after an out-of-memory starts from the seeded adapter (or its checkpoint)
     if settings.auto_fit:
         settings = _auto_fit(settings, backend, adapted, train.examples, pad_id)
-    source = ChatBatches(train.examples, settings.batch_size, settings.grad_accum, settings.seed, pad_id)
+    world = backend.world
+    source = ChatBatches(train.examples, settings.batch_size, settings.grad_accum, settings.seed, pad_id, world.rank,
+                         world.size)
     settings = settings.resolve_steps(source.steps_per_epoch)
     log(f"{len(train.examples)} training examples ({train.schema}), {source.steps_per_epoch} steps per epoch "
         f"(batch {settings.batch_size} x grad_accum {settings.grad_accum}): {settings.max_steps} steps = "
         f"{settings.max_steps / source.steps_per_epoch:.2f} epochs, warmup {settings.warmup_steps}")
     eval_batches = None
     if valid is not None:
-        eval_batches = fixed_batches(valid.examples, settings.batch_size, pad_id, settings.eval_batches)
+        # global batches (every rank's rows): the same evaluation at any number of processes
+        eval_batches = fixed_batches(valid.examples, settings.batch_size * world.size, pad_id, settings.eval_batches)
         used = sum(len(b["input_ids"]) for b in eval_batches)
         log(f"validation: {used} of {len(valid.examples)} examples ({len(eval_batches)} batches), "
             f"every {settings.eval_every or settings.max_steps} steps")
@@ -168,7 +206,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
 
     given, resume = loaded.resume
     if settings.resume != given:  # a retry after an out-of-memory, from the checkpoint this run wrote
-        resume = find_resume(run_dir, settings, loaded.identity)
+        resume = find_resume(run_dir, settings, loaded.identity, world)
     step = backend.finetune_step(adapted, settings)
     # LoRA dropout draws from the library's global generator: seed it once, here at the start of
     # the run; every checkpoint saves its state and a resumed run restores it (start_state).
@@ -182,6 +220,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
         "steps_per_epoch": source.steps_per_epoch,
         "target_modules": adapted.target_modules,
         "trainable_parameters": adapted.trainable_parameters, "total_parameters": adapted.total_parameters,
+        "predicted_peak_bytes": _predicted_peak(settings, backend, adapted, train.examples),
     })
 
     adapters = run_dir / "adapters"
@@ -192,25 +231,37 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     started = time.monotonic()
     schedule = resume.schedule or Schedule.from_settings(settings)
     state = fit(step, source, eval_batches, settings, run_dir, state, schedule, {"run": {"identity": loaded.identity}},
-                keeper, watchdog=watchdog)
+                keeper, watchdog=watchdog, world=world)
     watchdog.beat("writing the adapter and the summary")
-    if eval_batches is None:
-        keeper.save(state.step, None)
+    def write_results() -> dict:
+        if eval_batches is None:
+            keeper.save(state.step, None)
+        return finish(run_dir, state, started, {
+            "epochs": round(state.step / source.steps_per_epoch, 3),
+            "train_examples": len(train.examples),
+            "valid_examples": len(valid.examples) if valid else 0,
+            "trainable_parameters": adapted.trainable_parameters,
+            "total_parameters": adapted.total_parameters,
+            "target_modules": adapted.target_modules,
+            "quant": settings.quant,
+            "adapters": str(adapters),
+            "adapter_step": state.best_step if eval_batches else state.step,
+            "merged": None,  # set by run_finetune after --merge
+            "backend": backend.name,
+        }, f"adapter in {adapters}")
 
-    summary = finish(run_dir, state, started, {
-        "epochs": round(state.step / source.steps_per_epoch, 3),
-        "train_examples": len(train.examples),
-        "valid_examples": len(valid.examples) if valid else 0,
-        "trainable_parameters": adapted.trainable_parameters,
-        "total_parameters": adapted.total_parameters,
-        "target_modules": adapted.target_modules,
-        "quant": settings.quant,
-        "adapters": str(adapters),
-        "adapter_step": state.best_step if eval_batches else state.step,
-        "merged": None,  # set by run_finetune after --merge
-        "backend": backend.name,
-    }, f"adapter in {adapters}")
+    summary = world.decide(write_results)
     return FinetuneResult(summary, adapted, tokenizer, source, eval_batches, settings)
+
+
+def _predicted_peak(settings: FinetuneConfig, backend, adapted, examples: list) -> int | None:
+    """The memory model's peak at the run's worst micro-batch (batch_size rows of the longest
+    example), or None for an architecture it does not know."""
+    try:
+        arch = Architecture.from_hf_config(adapted.config)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return predicted_peak_bytes(settings, arch, backend, settings.batch_size, max(len(e.ids) for e in examples) - 1)
 
 
 def _auto_fit(settings: FinetuneConfig, backend, adapted, examples: list, pad_id: int) -> FinetuneConfig:

@@ -12,10 +12,28 @@ from ptbr.config import PretrainConfig, get_preset
 from ptbr.data import SAMPLE_DIR
 from ptbr.data.batch import windows_to_batch
 from ptbr.data.tokenizer import save_for_transformers
-from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset, eval_windows, open_dataset
+from ptbr.data.tokens import (
+    PretrainBatches,
+    RandomWindows,
+    TokenDataset,
+    eval_windows,
+    open_dataset,
+)
 from ptbr.files import file_sha256, write_directory
 from ptbr.log import log
-from ptbr.runs.common import find_resume, finish, open_run, start_state, write_run_config
+from ptbr.memory import Architecture
+from ptbr.runs.common import (
+    describe_placement,
+    effective_batch,
+    find_resume,
+    finish,
+    open_run,
+    out_of_memory_is_an_error,
+    predicted_peak_bytes,
+    refuse_auto_fit_in_parallel,
+    start_state,
+    write_run_config,
+)
 from ptbr.train.autofit import auto_fit, ram_guard, resume_smaller_on_oom
 from ptbr.train.loop import fit
 from ptbr.train.schedule import Schedule
@@ -25,11 +43,14 @@ from ptbr.train.watchdog import Watchdog
 def run_pretrain(settings: PretrainConfig) -> dict:
     """Pretrain a preset from scratch (or resume); returns training_summary.json's contents."""
     backend = create_backend(settings.backend, settings.device, settings.precision)
-    with open_run(settings) as run_dir, \
-            Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report) as watchdog:
+    refuse_auto_fit_in_parallel(settings, backend.world)
+    with open_run(settings, backend.world) as run_dir, \
+            Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
+                     backend.world.rank) as watchdog:
         if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
             return resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog), settings, run_dir)
-        return _run(settings, backend, run_dir, watchdog)
+        with out_of_memory_is_an_error(backend):
+            return _run(settings, backend, run_dir, watchdog)
 
 
 def identity(settings: PretrainConfig, dataset: TokenDataset, backend) -> dict:
@@ -37,7 +58,7 @@ def identity(settings: PretrainConfig, dataset: TokenDataset, backend) -> dict:
     return {"mode": "pretrain", "backend": backend.name, "model_size": settings.model_size,
             "vocab_size": dataset.vocab_size, "tokenizer_sha256": file_sha256(dataset.tokenizer_path)[:16],
             "train_data": dataset.fingerprint(), "seq_len": settings.seq_len, "seed": settings.seed,
-            "effective_batch": settings.batch_size * settings.grad_accum}
+            "effective_batch": effective_batch(settings, backend.world)}
 
 
 def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -> dict:
@@ -48,10 +69,12 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     for warning in dataset.warnings:
         log(f"warning: {warning}")
     preset = get_preset(settings.model_size)
-    source = PretrainBatches(dataset, settings.batch_size, settings.grad_accum, settings.seq_len, settings.seed)
+    world = backend.world
+    source = PretrainBatches(dataset, settings.batch_size, settings.grad_accum, settings.seq_len, settings.seed,
+                             world.rank, world.size)
     run_identity = identity(settings, dataset, backend)
-    resume = find_resume(run_dir, settings, run_identity)
-    log(f"backend {backend.name}, device {backend.device}, precision {backend.precision} ({backend.reason})")
+    resume = find_resume(run_dir, settings, run_identity, world)
+    log(describe_placement(backend, settings))
 
     if settings.auto_fit:
         settings = _auto_fit(settings, backend, dataset, preset)
@@ -65,12 +88,15 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     write_run_config(run_dir, "train", settings, backend, resume, {
         "data": str(data_dir), "tokenizer": str(dataset.tokenizer_path),
         "model": dataclasses.asdict(preset) | {"vocab_size": dataset.vocab_size, "parameters": n_params},
-        "tokens_per_step": settings.batch_size * settings.grad_accum * settings.seq_len,
+        "tokens_per_step": effective_batch(settings, world) * settings.seq_len,
+        "predicted_peak_bytes": predicted_peak_bytes(settings, Architecture.from_preset(preset, dataset.vocab_size),
+                                                     backend, settings.batch_size, settings.seq_len),
     })
 
     eval_batches = None
     if dataset.val is not None:
-        windows = eval_windows(dataset.val, dataset.val_path, settings.batch_size, settings.seq_len,
+        # global batches (every rank's rows): the same evaluation at any number of processes
+        windows = eval_windows(dataset.val, dataset.val_path, settings.batch_size * world.size, settings.seq_len,
                                dataset.vocab_size, settings.eval_batches)
         eval_batches = [windows_to_batch(w) for w in windows] or None
     if eval_batches is None:
@@ -79,16 +105,19 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     started = time.monotonic()
     schedule = resume.schedule or Schedule.from_settings(settings)
     state = fit(step, source, eval_batches, settings, run_dir, state, schedule, {"run": {"identity": run_identity}},
-                watchdog=watchdog)
+                watchdog=watchdog, world=world)
     watchdog.beat("writing final/")
 
     def fill(directory: Path) -> None:
         backend.write_model(step, directory)
         save_for_transformers(dataset.tokenizer_path, directory)
 
-    final = write_directory(run_dir / "final", fill, "the final model")
-    return finish(run_dir, state, started, {"parameters": n_params, "final_model": str(final),
-                                             "backend": backend.name}, f"model in {final}")
+    def write_results() -> dict:
+        final = write_directory(run_dir / "final", fill, "the final model")
+        return finish(run_dir, state, started, {"parameters": n_params, "final_model": str(final),
+                                                 "backend": backend.name}, f"model in {final}")
+
+    return world.decide(write_results)
 
 
 def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) -> PretrainConfig:

@@ -28,9 +28,14 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f"step_{step:06d}"
 
 
-def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_last: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_last: int = 0,
+                    write: bool = True) -> Path:
     """Write a complete checkpoint atomically (the training step's state files plus
-    trainer_state.json with `record`); on failure the previous ones are untouched."""
+    trainer_state.json with `record`); on failure the previous ones are untouched. In a
+    data-parallel run every rank calls it (the states may be gathered) and one rank writes."""
+    if not write:
+        training_step.save_state(None)
+        return checkpoint_path(run_dir, step)
 
     def fill(directory: Path) -> None:
         training_step.save_state(directory)
@@ -48,17 +53,50 @@ def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_
 
 
 def read_state(path: Path) -> dict | None:
-    """The checkpoint's trainer state if it is complete (every file there, at its size), else None."""
+    """The checkpoint's trainer state if it is complete (a well-formed trainer_state.json, every
+    file it lists there at its size), else None."""
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-        for name, entry in state["files"].items():
-            size = entry["size"] if isinstance(entry, dict) else entry
-            if (path / name).stat().st_size != size:
-                return None
-        int(state["step"])
-        return state
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError):
         return None
+    if not _well_formed(state):
+        return None
+    try:
+        return state if all((path / name).stat().st_size == _size(entry) for name, entry in state["files"].items()) \
+            else None
+    except OSError:
+        return None
+
+
+def _size(entry) -> int:
+    return entry["size"] if isinstance(entry, dict) else entry
+
+
+def _well_formed(state) -> bool:
+    """The shape the loop and the resume check read, so that no hand-edited or foreign file crashes them."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    def number(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    if not isinstance(state, dict) or not whole(state.get("step")):
+        return False
+    files, loop, scheduler = state.get("files"), state.get("loop"), state.get("scheduler")
+    if not isinstance(files, dict) or not files or not isinstance(loop, dict) or not isinstance(scheduler, dict):
+        return False
+    for name, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else entry
+        if "/" in name or name.startswith(".") or not whole(size):
+            return False
+    if loop.get("step") != state["step"] or not all(whole(loop.get(k, 0)) for k in
+                                                      ("tokens_seen", "skipped_steps", "bad_in_a_row")):
+        return False
+    if not number(loop.get("elapsed_s", 0)) or not all(v is None or number(v) for v in
+                                                         (loop.get("best_val_loss"), loop.get("best_step"))):
+        return False
+    return (number(scheduler.get("peak_lr")) and whole(scheduler.get("warmup_steps"))
+            and whole(scheduler.get("horizon", scheduler.get("max_steps"))) and number(scheduler.get("min_lr_ratio")))
 
 
 def corruption(path: Path, state: dict) -> str | None:

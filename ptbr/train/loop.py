@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ptbr.backends.world import SingleProcess, World
 from ptbr.data.batch import IGNORE_INDEX, Batch, StepResult
 from ptbr.errors import Interrupted, TrainingDiverged
 from ptbr.log import log
@@ -114,18 +115,25 @@ def describe_batch(batch: Batch) -> str:
 
 def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | None, settings, run_dir: Path,
         state: LoopState, schedule: Schedule | None = None, record: dict | None = None,
-        callbacks: Callbacks | None = None, watchdog=None) -> LoopState:
+        callbacks: Callbacks | None = None, watchdog=None, world: World | None = None) -> LoopState:
     """Train until settings.max_steps, with the learning rate of `schedule` (default: the one the
     settings describe); returns the final state. Every checkpoint also records `record` (the run's
     identity, compared on resume). Raises Interrupted after a graceful stop and TrainingDiverged
     after MAX_BAD_STEPS_IN_A_ROW non-finite steps. A watchdog, if given, is told of every step,
-    evaluation and checkpoint."""
+    evaluation and checkpoint.
+
+    In a data-parallel run (`world` of several ranks) every rank runs this loop in step: the
+    decisions come out the same on each (the step's loss and gradient norm are the global ones,
+    evaluation and saving follow the step number, and a stop signal seen by any rank stops all of
+    them at the same step boundary); only the main rank writes metrics, checkpoints and progress,
+    and calls the callbacks."""
     callbacks = callbacks or Callbacks()
     schedule = schedule or Schedule.from_settings(settings)
     record = record or {}
+    world = world or SingleProcess()
     beat = watchdog.beat if watchdog is not None else (lambda phase: None)
-    metrics = MetricsLog(run_dir, state.step)
-    progress = Progress(settings.max_steps, state.step, settings.log_every)
+    metrics = MetricsLog(run_dir, state.step, settings.tensorboard) if world.is_main else None
+    progress = Progress(settings.max_steps, state.step, settings.log_every, enabled=world.is_main)
     start_step = state.step
     started = time.monotonic()
     try:
@@ -155,29 +163,36 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
                     if is_best:
                         state.best_val_loss, state.best_step = val_loss, state.step
                     log(f"eval at step {state.step}: val_loss {val_loss:.4f}, perplexity {_perplexity(val_loss):.2f}")
-                    callbacks.on_eval(state, val_loss, is_best)
+                    if world.is_main:
+                        callbacks.on_eval(state, val_loss, is_best)
 
                 state.elapsed_s += time.monotonic() - step_started
                 tokens_per_s = result.input_tokens / step_time if step_time > 0 else 0.0
-                metrics.write({
-                    "step": state.step, "loss": result.loss, "val_loss": val_loss, "lr": lr,
-                    "grad_norm": result.grad_norm, "tokens_per_s": round(tokens_per_s, 1),
-                    "mem_bytes": backend.memory_bytes(), "elapsed_s": round(state.elapsed_s, 3),
-                })
+                if metrics is not None:
+                    metrics.write({
+                        "step": state.step, "loss": result.loss, "val_loss": val_loss, "lr": lr,
+                        "grad_norm": result.grad_norm, "tokens_per_s": round(tokens_per_s, 1),
+                        "mem_bytes": backend.memory_bytes(), "elapsed_s": round(state.elapsed_s, 3),
+                    })
                 progress.update(state.step, result.loss, lr, tokens_per_s, val_loss)
                 beat(f"training after step {state.step}")
 
+                stopping = world.any(stop.signal_name is not None) if world.size > 1 else bool(stop.signal_name)
                 last = state.step == settings.max_steps
-                if _due(state.step, settings.save_every) or last or stop.signal_name:
+                if _due(state.step, settings.save_every) or last or stopping:
                     beat(f"saving the checkpoint of step {state.step}")
                     path = save_checkpoint(run_dir, state.step, backend,
-                                           record | _trainer_state(state, settings, schedule, lr), settings.keep_last)
-                    callbacks.on_checkpoint(state, path)
-                    if stop.signal_name:
-                        raise Interrupted(f"stopped by {stop.signal_name} at step {state.step}",
-                                          f"checkpoint {path}", "run the same command again to resume")
+                                           record | _trainer_state(state, settings, schedule, lr), settings.keep_last,
+                                           write=world.is_main)
+                    if world.is_main:
+                        callbacks.on_checkpoint(state, path)
+                    if stopping:
+                        raise Interrupted(f"stopped by {stop.signal_name or 'a stop signal to another rank'} at step "
+                                          f"{state.step}", f"checkpoint {path}", "run the same command again to resume")
     finally:
         progress.close()
+        if metrics is not None:
+            metrics.close()
     return state
 
 

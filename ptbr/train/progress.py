@@ -19,13 +19,16 @@ def format_eta(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total_steps: int, start_step: int, log_every: int, tty: bool | None = None):
+    def __init__(self, total_steps: int, start_step: int, log_every: int, tty: bool | None = None,
+                 enabled: bool = True):
+        """enabled=False: shows nothing (the other ranks of a data-parallel run)."""
         self.total, self.start_step, self.log_every = total_steps, start_step, log_every
+        self.enabled = enabled
         self.stream = sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.started = time.monotonic()
         self.bar = None
-        if self.tty:
+        if self.tty and enabled:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=self.stream,
@@ -38,6 +41,8 @@ class Progress:
         return (time.monotonic() - self.started) / done * (self.total - step)
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float, val_loss: float | None = None) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_s:,.0f} tok/s", refresh=False)
             self.bar.update(step - self.bar.n)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ptbr.errors import HangDetected
-from ptbr.log import log
+from ptbr.log import log, shout
 
 EXIT_HANG = HangDetected.exit_code
 BEFORE_FIRST_STEP_S = 1800.0  # model download/build, data checks, first CUDA kernels
@@ -25,10 +25,12 @@ AFTER_FIRST_STEP_MIN_S = 300.0
 
 class Watchdog:
     def __init__(self, run_dir: Path, timeout_s: float | None, action: str = "exit",
-                 memory_report: Callable[[], str] | None = None):
-        """memory_report: the backend's description of the memory in use, for the hang report."""
+                 memory_report: Callable[[], str] | None = None, rank: int = 0):
+        """memory_report: the backend's description of the memory in use, for the hang report.
+        rank: in a data-parallel run, each rank watches itself and writes hang_report.rankN.txt."""
         self.run_dir, self.configured, self.action = run_dir, timeout_s, action
         self.memory_report = memory_report
+        self.rank = rank
         self.limit = timeout_s if timeout_s is not None else BEFORE_FIRST_STEP_S
         self.last_beat = time.monotonic()
         self.phase = "starting (before the first step)"
@@ -48,7 +50,7 @@ class Watchdog:
     def first_step_done(self, seconds: float) -> None:
         if self.configured is None:
             self.limit = max(AFTER_FIRST_STEP_MIN_S, AFTER_FIRST_STEP_FACTOR * seconds)
-            log(f"hang watchdog: {self.limit:.0f} s without progress is a hang (--hang-timeout to change)")
+            log(f"hang watchdog: {format_seconds(self.limit)} without progress is a hang (--hang-timeout to change)")
 
     def stop(self) -> None:
         self._stop.set()
@@ -70,21 +72,23 @@ class Watchdog:
                     os._exit(EXIT_HANG)  # the main thread is stuck: only the process can end it
 
     def _report(self, waited: float) -> None:
-        path = self.run_dir / "hang_report.txt"
+        path = self.run_dir / ("hang_report.txt" if self.rank == 0 else f"hang_report.rank{self.rank}.txt")
+        who = f"rank {self.rank}: " if self.rank else ""
         with open(path, "w", encoding="utf-8") as f:
-            f.write(f"ptbr hang report: no progress for {waited:.0f} s (limit {self.limit:.0f} s) "
-                    f"while {self.phase}\n\n")
+            f.write(f"ptbr hang report: {who}no progress for {format_seconds(waited)} (limit "
+                    f"{format_seconds(self.limit)}) while {self.phase}\n\n")
             f.write(f"device memory: {self._memory()}\n\nlast log lines:\n")
             f.writelines(_tail(self.run_dir / "train.log", 20))
             f.write("\nstacks of every thread (most recent call first):\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        what = (f"no progress for {waited:.0f} s while {self.phase} (hang report in {path}); "
-                "fix: read the stacks there; raise --hang-timeout if the step is just slow")
+        what = (f"{who}no progress for {format_seconds(waited)} while {self.phase} (hang report in {path}); "
+                "fix: read the stacks there (in a data-parallel run each rank writes its own report: the one "
+                "that stopped, and the others waiting for it); raise --hang-timeout if the step is just slow")
         if self.action == "warn":
-            log(f"warning: {what}; --hang-action warn: still waiting")
+            shout(f"warning: {what}; --hang-action warn: still waiting")
         else:
-            log(f"error: {what}")
+            shout(f"error: {what}")
 
     def _memory(self) -> str:
         try:
@@ -95,6 +99,10 @@ class Watchdog:
             return f"process RSS {psutil.Process().memory_info().rss:,} B"
         except Exception as exc:  # noqa: BLE001 - a report must not fail for want of a number
             return f"unknown ({exc})"
+
+
+def format_seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
 
 
 def _tail(path: Path, lines: int) -> list[str]:

@@ -22,6 +22,7 @@ from ptbr.backends.mlx.device import (
     resolve_precision,
 )
 from ptbr.backends.mlx.step import MlxStep, build_optimizer
+from ptbr.backends.world import SingleProcess
 from ptbr.log import log
 from ptbr.versions import package_versions
 
@@ -42,6 +43,7 @@ class MlxBackend:
         self.device = placement.device
         self.precision = placement.precision
         self.reason = placement.reason
+        self.world = SingleProcess()  # MLX trains in one process (data parallelism is torch's)
 
     @classmethod
     def create(cls, device: str = "auto", precision: str = "auto") -> MlxBackend:

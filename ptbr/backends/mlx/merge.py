@@ -17,7 +17,7 @@ from ptbr.errors import ModelError
 SHARD_BYTES = 5 * 1024**3  # transformers' default shard size
 
 
-def merge_into(base: str, adapter: Path, directory: Path, dtype: str) -> str:
+def merge_into(base: str, adapter: Path, directory: Path, dtype: str, download: bool = False) -> str:
     """Write base + adapter (an mlx-lm adapter directory), merged, into `directory`; returns the
     merged weights' dtype."""
     import mlx.core as mx
@@ -28,7 +28,7 @@ def merge_into(base: str, adapter: Path, directory: Path, dtype: str) -> str:
     from ptbr.backends.mlx.models import global_generator
     from ptbr.finetune.base import read_config
 
-    path = local_model_dir(base, False)
+    path = local_model_dir(base, download)
     config = read_config(str(path)) or {}
     if base_quantization(config, base):
         raise ModelError("the base model is saved already quantized", base,

@@ -4,10 +4,14 @@ transformers, LoRA/QLoRA from PEFT and bitsandbytes."""
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 
 from ptbr.backends.torch.device import Placement, resolve_device, resolve_precision
+from ptbr.backends.torch.distributed import world_from_env
 from ptbr.backends.torch.step import TorchStep, build_optimizer
+from ptbr.backends.world import SingleProcess
+from ptbr.errors import ConfigError
 from ptbr.versions import package_versions
 
 # What an out-of-memory looks like where torch does not raise torch.OutOfMemoryError (CPU, MPS).
@@ -20,20 +24,43 @@ TORCH_PACKAGES = ("ptbr", "torch", "transformers", "accelerate", "tokenizers", "
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, placement: Placement):
+    def __init__(self, placement: Placement, world=None):
         self.placement = placement
         self.device = str(placement.device)
         self.precision = placement.precision
         self.reason = placement.reason
+        self.world = world or SingleProcess()
 
     @classmethod
     def create(cls, device: str = "auto", precision: str = "auto") -> TorchBackend:
-        return cls(resolve_precision(resolve_device(device), precision))
+        """The device and precision; under torchrun or `accelerate launch`, also this process's rank
+        (its own GPU) in the run's process group."""
+        world = world_from_env()
+        resolved = resolve_device(device)
+        if world is not None:
+            if resolved.type == "cuda":
+                import torch
+
+                resolved = torch.device("cuda", world.local_rank)
+                torch.cuda.set_device(resolved)
+            world.start(resolved)
+            if not world.is_main:  # one rank speaks for the run; the others say only what goes wrong
+                logging.getLogger("ptbr").setLevel(logging.WARNING)
+        return cls(resolve_precision(resolved, precision), world)
 
     def seed(self, seed: int) -> None:
         import torch
 
-        torch.manual_seed(seed)
+        torch.manual_seed(seed + self.world.rank)  # each rank its own stream (LoRA dropout masks)
+
+    def parallel(self, model):
+        """The model wrapped for data parallelism (DDP), or None in a single process."""
+        if self.world.size == 1:
+            return None
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = self.placement.device
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def versions(self) -> dict[str, str | None]:
         return package_versions(TORCH_PACKAGES)
@@ -45,10 +72,15 @@ class TorchBackend:
 
         model = build_model(preset, vocab_size, eos_id, settings.seed, pad_id).to(self.placement.device)
         if settings.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # non-reentrant: the recomputation that DDP's gradient hooks and PEFT support
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+        if settings.fsdp and self.world.size > 1:
+            shard(model)
+            optimizer = build_optimizer(model, settings, self.placement.device, fused=False)
+            return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, sharded=True)
         optimizer = build_optimizer(model, settings, self.placement.device)
-        return TorchStep(model, optimizer, self.placement, settings.max_grad_norm)
+        return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model))
 
     def parameter_count(self, step: TorchStep) -> int:
         from ptbr.backends.torch.models import count_parameters
@@ -56,7 +88,9 @@ class TorchBackend:
         return count_parameters(step.model)
 
     def write_model(self, step: TorchStep, directory: Path) -> None:
-        step.model.save_pretrained(str(directory), safe_serialization=True)
+        # sharded (FSDP): the whole weights gathered for the checkpoint of the last step
+        weights = dict(step.exported) if step.exported is not None else None
+        step.model.save_pretrained(str(directory), safe_serialization=True, state_dict=weights)
 
     # ---- fine-tuning ------------------------------------------------------------------------
 
@@ -66,9 +100,12 @@ class TorchBackend:
         return load_model(settings, self.placement)
 
     def finetune_step(self, adapted, settings) -> TorchStep:
+        if settings.fsdp and self.world.size > 1:
+            raise ConfigError("--fsdp is for pretraining: a fine-tuning run copies its (4-bit) base to every GPU "
+                              "and trains the small adapter data-parallel", "--fsdp", "leave --fsdp out")
         model = adapted.model
         return TorchStep(model, build_optimizer(model, settings, self.placement.device), self.placement,
-                         settings.max_grad_norm)
+                         settings.max_grad_norm, self.world, self.parallel(model))
 
     def write_adapter(self, adapted, directory: Path) -> None:
         """PEFT's adapter_model.safetensors and adapter_config.json."""
@@ -101,3 +138,13 @@ class TorchBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def shard(model) -> None:
+    """FSDP2: each decoder layer its own unit (its weights gathered just before it runs), the
+    embeddings, the final norm and the (tied) output layer in the root unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)

@@ -4,24 +4,45 @@ clipping, the update (with GradScaler in fp16), evaluation, and the state a chec
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
+
+from ptbr.backends.world import SingleProcess
 from ptbr.data.batch import IGNORE_INDEX, Batch, StepResult, input_count, target_count
 
 
 class TorchStep:
-    """One optimizer step of a torch model: accumulate, clip, update; plus eval and state I/O."""
+    """One optimizer step of a torch model: accumulate, clip, update; plus eval and state I/O.
 
-    def __init__(self, model, optimizer, placement, max_grad_norm: float):
+    In a data-parallel run every rank calls each method at the same moment. A rank's micro-batches
+    are its slices of the global step's (see ptbr/data/tokens.py PretrainBatches); the loss of the
+    step is the mean over every target token of every rank, and the gradients are averaged by DDP
+    (or reduced by FSDP) with that weighting, so the update equals the single-process one.
+    """
+
+    def __init__(self, model, optimizer, placement, max_grad_norm: float, world=None, parallel=None,
+                 sharded: bool = False):
         import torch
 
-        self.model = model
+        self.model = model  # the module itself: evaluation and saving go through it
+        self.parallel = parallel  # DDP wrapper (None: one process, or FSDP which shards `model` in place)
+        self.sharded = sharded  # FSDP: every rank holds a shard; whole states are gathered to save
         self.optimizer = optimizer
         self.placement = placement
         self.precision = placement.precision
         self.max_grad_norm = max_grad_norm
-        self.scaler = torch.amp.GradScaler(placement.device.type, enabled=placement.precision == "fp16")
+        self.world = world or SingleProcess()
+        fp16 = placement.precision == "fp16"
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(placement.device.type, enabled=fp16)
+        else:
+            self.scaler = torch.amp.GradScaler(placement.device.type, enabled=fp16)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.exported: dict | None = None  # FSDP: the whole weights of the last checkpoint (main rank)
 
     def _to_device(self, batch: Batch) -> dict:
         import torch
@@ -29,36 +50,50 @@ class TorchStep:
         return {k: torch.as_tensor(v, dtype=torch.long).to(self.placement.device, non_blocking=True)
                 for k, v in batch.items()}
 
-    def _loss_sum(self, batch: dict):
+    def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch."""
         import torch.nn.functional as F
 
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self.placement.autocast():
-            logits = self.model(**inputs).logits  # (B, T, vocab)
+            logits = module(**inputs).logits  # (B, T, vocab)
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
+    def _sync_gradients(self, sync: bool):
+        """DDP and FSDP reduce gradients across ranks on the last micro-batch of a step only."""
+        if self.parallel is not None:
+            return nullcontext() if sync else self.parallel.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(sync)
+        return nullcontext()
+
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepResult:
         """Gradient accumulation over `micro_batches`: the loss is the mean over every target token
-        of the step, so micro-batches are averaged (weighted by their tokens) and a short last cycle
-        of an epoch is applied with its own size, never dropped."""
+        of the step (of every rank), so micro-batches are averaged (weighted by their tokens) and a
+        short last cycle of an epoch is applied with its own size, never dropped."""
         import torch
 
-        self.model.train()
-        targets = sum(target_count(b) for b in micro_batches)
-        inputs = input_count(micro_batches)
+        module = self.parallel or self.model
+        module.train()
+        targets, inputs = target_count_of(micro_batches), input_count(micro_batches)
+        if self.world.size > 1:
+            targets, inputs = (int(v) for v in self.world.sum([targets, inputs]))
         if targets == 0:
             return StepResult(float("nan"), float("nan"), 0, inputs, True)
+        # DDP and FSDP average the ranks' gradients: each rank's sum over its tokens, times the
+        # world size, divided by the step's tokens, averages to the single-process gradient
         total = torch.zeros((), device=self.placement.device)
-        for batch in micro_batches:
-            loss_sum = self._loss_sum(self._to_device(batch))
-            self.scaler.scale(loss_sum / targets).backward()
+        for index, batch in enumerate(micro_batches):
+            with self._sync_gradients(index == len(micro_batches) - 1):
+                loss_sum = self._loss_sum(module, self._to_device(batch))
+                self.scaler.scale(loss_sum * self.world.size / targets).backward()
             total += loss_sum.detach()
-        loss = total.item() / targets
+        loss_sum = total.item() if self.world.size == 1 else self.world.sum([total.item()])[0]
+        loss = loss_sum / targets
         self.scaler.unscale_(self.optimizer)
         clip = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.params, clip)))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         skipped = not math.isfinite(loss) or not math.isfinite(grad_norm)
@@ -74,50 +109,92 @@ class TorchStep:
         return StepResult(loss, grad_norm, targets, inputs, skipped)
 
     def eval_loss(self, batches: list[Batch]) -> float:
-        """Mean loss per target token over a fixed set of batches."""
+        """Mean loss per target token over a fixed set of batches. In a data-parallel run each
+        batch is the global one and each rank evaluates its slice of its rows."""
         import torch
 
+        mine = [rank_slice(batch, self.world.rank, self.world.size) for batch in batches]
         self.model.eval()
         total, count = 0.0, 0
         with torch.no_grad():
-            for batch in batches:
-                total += self._loss_sum(self._to_device(batch)).item()
+            for batch in mine:
+                total += self._loss_sum(self.model, self._to_device(batch)).item()
                 count += target_count(batch)
+        if self.sharded:
+            # FSDP keeps the root's gathered weights after a forward pass until the next backward:
+            # shard them again, or saving and the optimizer would meet other parameter objects
+            self.model.reshard()
         self.model.train()
+        if self.world.size > 1:
+            total, count = self.world.sum([total, count])
         return total / count if count else float("nan")
 
     # ---- state ------------------------------------------------------------------------------
 
-    def save_state(self, directory: Path) -> None:
-        """Model (safetensors, via save_pretrained: full weights or a PEFT adapter), optimizer,
-        scaler and RNG states."""
+    def save_state(self, directory: Path | None) -> None:
+        """Model (safetensors, via save_pretrained: full weights or a PEFT adapter), optimizer
+        (keyed by parameter name, so that one, several or sharded processes can load it), scaler
+        and the RNG state of every rank. In a data-parallel run every rank calls it (the states
+        are gathered), and only the main rank, given a directory, writes."""
         import torch
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
-        self.model.save_pretrained(str(directory), safe_serialization=True)
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
-        torch.save(self.scaler.state_dict(), directory / "scaler.pt")
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=self.sharded)
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=whole)  # collective under FSDP
+        weights = whole_weights(self.model, options=whole) if self.sharded else None
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
+        if self.world.size > 1:
+            rng["torch_by_rank"] = [state.cpu() for state in self.world.gather(rng["torch"])]
+        if directory is None:
+            return
+        self.exported = weights
+        # save_pretrained consumes the dict it is given: a copy, so that final/ can use the weights
+        self.model.save_pretrained(str(directory), safe_serialization=True,
+                                   state_dict=dict(weights) if weights is not None else None)
+        torch.save(optimizer, directory / "optimizer.pt")
+        torch.save(self.scaler.state_dict(), directory / "scaler.pt")
         torch.save(rng, directory / "rng.pt")
 
     def load_state(self, directory: Path) -> None:
         import torch
         from safetensors.torch import load_file, load_model
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
+        whole = StateDictOptions(full_state_dict=True)
         adapter = directory / "adapter_model.safetensors"
         if adapter.is_file():
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.model, load_file(str(adapter), device=str(self.placement.device)))
+        elif self.sharded:
+            set_model_state_dict(self.model, load_file(str(directory / "model.safetensors")), options=whole)
         else:
             load_model(self.model, str(directory / "model.safetensors"), device=str(self.placement.device))
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True,
-                                                  map_location=self.placement.device))
+        optimizer = torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.placement.device)
+        if isinstance(optimizer["param_groups"][0]["params"][0], int):
+            self.optimizer.load_state_dict(optimizer)  # saved by an earlier ptbr, in torch's own numbering
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=whole)
         self.scaler.load_state_dict(torch.load(directory / "scaler.pt", weights_only=True))
         rng = torch.load(directory / "rng.pt", weights_only=True)
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
+        by_rank = rng.get("torch_by_rank") or [rng["torch"]]
+        if len(by_rank) == self.world.size:
+            torch.set_rng_state(by_rank[self.world.rank])
+        else:
+            # written by another number of processes: each rank's stream (LoRA dropout) restarts
+            # from the checkpoint's first one, offset by the rank, so that ranks still differ
+            torch.set_rng_state(by_rank[0])
+            torch.manual_seed(int(torch.randint(0, 2**62, ())) + self.world.rank)
+        if "cuda" in rng and torch.cuda.is_available() and self.world.size == 1:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def memory_bytes(self) -> int:
@@ -126,8 +203,42 @@ class TorchStep:
         return memory_in_use(self.placement.device)
 
 
-def build_optimizer(model, settings, device):
-    """AdamW, fused where the device supports it; no weight decay on norms and biases."""
+def whole_weights(model, options) -> dict:
+    """FSDP: the whole state dict, gathered (a collective: every rank calls it; the main rank gets
+    the tensors). Tied output weights are the input embeddings: saved once, as transformers does."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    weights = get_model_state_dict(model, options=options)
+    if getattr(model.config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+def target_count_of(batches: list[Batch]) -> int:
+    return sum(target_count(b) for b in batches)
+
+
+def rank_slice(batch: Batch, rank: int, world: int) -> Batch:
+    """This rank's rows of a global batch. A rank left without rows evaluates one row whose loss
+    covers nothing: every rank runs as many forward passes (FSDP gathers weights in each)."""
+    if world == 1:
+        return batch
+    rows = -(-len(batch["input_ids"]) // world)
+    mine = {k: np.asarray(v)[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+    if len(mine["input_ids"]) == 0:
+        first = {k: np.asarray(v)[:1] for k, v in batch.items()}
+        return dict(first, labels=np.full_like(first["labels"], IGNORE_INDEX))
+    return mine
+
+
+def _full(value):
+    """A norm computed over sharded (FSDP) parameters is a DTensor: its full value."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def build_optimizer(model, settings, device, fused: bool = True):
+    """AdamW, fused where the device supports it (not over FSDP's sharded parameters); no weight
+    decay on norms and biases."""
     import torch
 
     decay, no_decay = [], []
@@ -137,7 +248,7 @@ def build_optimizer(model, settings, device):
     groups = [{"params": decay, "weight_decay": settings.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": settings.learning_rate, "betas": (settings.beta1, settings.beta2), "eps": 1e-8}
-    if device.type in ("cuda", "cpu"):
+    if fused and device.type in ("cuda", "cpu"):
         try:
             return torch.optim.AdamW(groups, fused=True, **kwargs)
         except (RuntimeError, TypeError):

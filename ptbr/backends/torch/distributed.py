@@ -1,0 +1,179 @@
+"""Data parallelism for the torch backend: the process group of a run started by torchrun,
+`accelerate launch`, or ptbr's own --num-processes (which starts torchrun's launcher itself).
+
+Each rank holds the whole model (DDP) or a shard of it (--fsdp); TorchStep averages the gradients
+with the token-weighted loss of the whole global step, so that any world size trains the same
+model. This module only sets the processes up and lets them agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+from ptbr.backends.world import shared
+from ptbr.errors import EXIT_CODES, DeviceError, Interrupted, PtbrError
+
+T = TypeVar("T")
+
+# Collectives wait this long before torch gives up; ptbr's hang watchdog (--hang-timeout) reports a
+# stuck rank long before, with its stack.
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+
+def world_from_env():
+    """The run's world as torchrun/accelerate describe it in the environment; None for one process."""
+    size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if size <= 1:
+        return None
+    return TorchWorld(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+class TorchWorld:
+    """The ranks of a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, rank: int, size: int, local_rank: int):
+        self.rank, self.size, self.local_rank = rank, size, local_rank
+        self.device = None
+
+    def start(self, device) -> TorchWorld:
+        """Join the process group; `device` is this rank's (collectives run there: NCCL needs the GPU)."""
+        import torch.distributed as dist
+
+        self.device = device
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            try:
+                dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT,
+                                        device_id=device if device.type == "cuda" else None)
+            except Exception as exc:  # noqa: BLE001 - a rendezvous that cannot form is a device problem
+                raise DeviceError(f"cannot join the {self.size}-process group as rank {self.rank} ({backend}): "
+                                  f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                                  f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT="
+                                  f"{os.environ.get('MASTER_PORT')}", "check the launcher's rendezvous settings; "
+                                  "on machines where NCCL hangs between GPUs, set NCCL_P2P_DISABLE=1") from exc
+        return self
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def any(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([1 if flag else 0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over the ranks (float64: token counts stay exact)."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def gather(self, value):
+        """Every rank's `value`, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        gathered = [None] * self.size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def decide(self, decision: Callable[[], T]) -> T:
+        import torch.distributed as dist
+
+        outcome = shared(decision) if self.is_main else (None, None)
+        payload = [outcome if not self.is_main or _picklable(outcome) else
+                   (None, RuntimeError(f"{type(outcome[1]).__name__}: {outcome[1]}"))]
+        dist.broadcast_object_list(payload, src=0)
+        result, error = outcome if self.is_main else payload[0]
+        if error is not None:
+            raise error
+        return result
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def describe(self) -> str:
+        return f"{self.size} processes (rank {self.rank})"
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _picklable(value) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# --num-processes: ptbr starts the workers itself, with torchrun's launcher
+# --------------------------------------------------------------------------------------------
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> int:
+    """Run `ptbr ARGV` as `processes` workers on this machine (torchrun --standalone) and return
+    the run's exit code: 0, or the documented code of the first rank that failed. Rank 0 writes to
+    this terminal; the other ranks' output goes to LOGS/rankN.log. SIGTERM/SIGINT reach every
+    rank, which save one checkpoint together and stop (130)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not debug:
+        # ptbr reports a failed rank itself, in one line
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logs.mkdir(parents=True, exist_ok=True)
+    quiet = {rank: Std.ALL for rank in range(1, processes)}
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=quiet))
+    # the workers share the machine's cores (torchrun's own default is 1 thread each)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    try:
+        elastic_launch(config, sys.executable)("-m", "ptbr", *argv)
+        return 0
+    except SignalException:
+        return Interrupted.exit_code  # the workers were told, and saved their checkpoint
+    except ChildFailedError as exc:
+        # a rank that stopped with a documented code said why (rank 0 on this terminal: prefer it);
+        # the others were stopped by the launcher when the first one failed
+        documented = {r: f for r, f in exc.failures.items() if f.exitcode in EXIT_CODES and f.exitcode != 1}
+        rank, failure = ((0, documented[0]) if 0 in documented else
+                         min(documented.items()) if documented else exc.get_first_failure())
+        code = failure.exitcode if failure.exitcode in EXIT_CODES else 1
+        if rank != 0:  # rank 0 was stopped before it could say anything: the failing rank's own line
+            where = next(iter(sorted(logs.rglob(f"{rank}/stderr.log"))), None)
+            said = [line for line in (where.read_text(errors="replace").splitlines() if where else [])
+                    if line.startswith("error: ")]
+            print(said[-1] if said else PtbrError(f"rank {rank} of {processes} stopped with exit code "
+                                                  f"{failure.exitcode}", str(where or logs),
+                                                  "its log names the problem").one_line(), file=sys.stderr, flush=True)
+        return code

@@ -1,0 +1,188 @@
+"""A full disk, a file-size limit or a quota while ptbr writes: one line, exit 6, and what was saved
+before is intact — for every writer (checkpoint weights and states, metrics, final/, adapters, merged
+models, prepare's token files, preflight reports).
+
+The limit is real: RLIMIT_FSIZE makes the kernel refuse writes past N bytes with EFBIG, whichever
+library writes (Python, safetensors' Rust, torch's C++). Python ignores SIGXFSZ, so the write fails
+instead of the process dying. Runs through the CLI use a subprocess with the limit; in-process
+writers lower the limit around one call and restore it.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tests.test_finetune as finetune_tests
+from ptbr.errors import OutputError
+from ptbr.train.checkpoint import read_state
+
+toy = finetune_tests.toy
+TINY = ["--model-size", "tiny", "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--eval-every", "0",
+        "--eval-batches", "1"]
+MB = 1024 * 1024
+
+
+@contextmanager
+def file_size_limit(limit: int):
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def ptbr_limited(limit: int, *args: str) -> subprocess.CompletedProcess:
+    def limit_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    return subprocess.run([sys.executable, "-m", "ptbr", *args], capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit_files)
+
+
+def assert_disk_full_line(run: subprocess.CompletedProcess, what: str) -> None:
+    assert run.returncode == 6, run.stderr
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the disk filled up (or a file size limit or quota was hit) while writing " + what)
+    assert "what was saved before is intact" in line
+    assert "Traceback" not in run.stderr and "Logging error" not in run.stderr
+
+
+def ptbr(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ptbr", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit, broken", [
+    (1 * MB, "model.safetensors"),  # the tiny model's weights (4.3 MB) do not fit: safetensors (Rust) fails
+    (6 * MB, "optimizer.pt"),  # the weights fit, AdamW's state (8.5 MB) does not: torch.save (C++) fails
+])
+def test_checkpoint_writers_keep_the_previous_checkpoint(tmp_path, limit, broken):
+    out = tmp_path / "run"
+    assert ptbr("train", "--output", str(out), *TINY, "--max-steps", "2", "--save-every", "2").returncode == 0
+    run = ptbr_limited(limit, "train", "--output", str(out), *TINY, "--max-steps", "4", "--save-every", "2")
+    assert_disk_full_line(run, "the checkpoint of step 4")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]  # no half-written one
+    assert read_state(out / "checkpoints" / "step_000002")["step"] == 2
+    assert not list(out.glob(".tmp-*")) and not list((out / "checkpoints").glob(".tmp-*"))
+    # and the run resumes from it once there is room again
+    again = ptbr("train", "--output", str(out), *TINY, "--max-steps", "4", "--save-every", "2")
+    assert again.returncode == 0 and "resuming from" in again.stderr
+
+
+def test_metrics_rows(tmp_path):
+    from ptbr.train.metrics import MetricsLog, read_metrics
+
+    log = MetricsLog(tmp_path)
+    log.write({"step": 1, "loss": 2.0})
+    with file_size_limit((tmp_path / "metrics.jsonl").stat().st_size + 10), pytest.raises(OutputError) as caught:
+        log.write({"step": 2, "loss": 1.5})
+    assert "while writing metrics.jsonl" in caught.value.one_line()
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1]  # the cut line is not read
+
+
+def _tiny_model():
+    from ptbr.backends.torch.models import build_model
+    from ptbr.config import PRESETS
+
+    return build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
+
+
+def test_final_model(tmp_path):
+    from ptbr.files import write_directory
+
+    model = _tiny_model()
+    final = tmp_path / "final"
+    write_directory(final, lambda d: model.save_pretrained(str(d)), "the final model")
+    before = load_file(str(final / "model.safetensors"))
+    with file_size_limit(MB), pytest.raises(OutputError) as caught:
+        write_directory(final, lambda d: _tiny_model().save_pretrained(str(d)), "the final model")
+    assert "while writing the final model" in caught.value.one_line()
+    after = load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]
+
+
+def test_adapter_and_merged_model(toy, tmp_path):
+    """`ptbr finetune` (the adapter) and `ptbr merge` (the merged model) under a limit below their
+    largest file: exit 6, the previous adapter and merged model untouched."""
+    out = tmp_path / "run"
+
+    def finetune(max_steps: int) -> list[str]:
+        return ["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(out), "--quant", "none",
+                "--lora-r", "8", "--batch-size", "8", "--max-steps", str(max_steps), "--eval-every", "1"]
+
+    assert ptbr(*finetune(2)).returncode == 0
+    adapter = (out / "adapters" / "adapter_model.safetensors").read_bytes()
+    # room for metrics, logs and JSON, not for an adapter (nor a checkpoint, which holds it too)
+    run = ptbr_limited(len(adapter) // 2, *finetune(4))
+    assert run.returncode == 6, run.stderr
+    assert "what was saved before is intact" in run.stderr.splitlines()[-1] and "Traceback" not in run.stderr
+    assert (out / "adapters" / "adapter_model.safetensors").read_bytes() == adapter
+
+    merged = tmp_path / "merged"
+    assert ptbr("merge", "--base", str(toy.base), "--adapter", str(out / "adapters"), "--output",
+                str(merged)).returncode == 0
+    weights = (merged / "model.safetensors").read_bytes()
+    run = ptbr_limited(len(weights) // 2, "merge", "--base", str(toy.base), "--adapter", str(out / "adapters"),
+                       "--output", str(merged))
+    assert_disk_full_line(run, "the merged model")
+    assert (merged / "model.safetensors").read_bytes() == weights
+
+
+def test_prepare_never_leaves_a_dataset_that_looks_complete(tmp_path, corpus_dir):
+    data = tmp_path / "data"
+    assert ptbr("prepare", "--input", str(corpus_dir), "--output", str(data), "--vocab-size", "400").returncode == 0
+    meta = (data / "meta.json").read_text()
+    train = (data / "train.bin").read_bytes()
+    files = sorted(p.name for p in data.iterdir())
+    # a bigger corpus whose token file cannot be written whole
+    big = tmp_path / "big.txt"
+    big.write_text("\n\n".join(f"Parágrafo {i}: " + "palavra " * 40 for i in range(4000)), encoding="utf-8")
+    run = ptbr_limited(200_000, "prepare", "--input", str(big), "--output", str(data), "--vocab-size", "400")
+    assert_disk_full_line(run, "the dataset")
+    # the previous dataset is intact and nothing half-written is left
+    assert (data / "meta.json").read_text() == meta and (data / "train.bin").read_bytes() == train
+    assert sorted(p.name for p in data.iterdir()) == files
+    # into a new directory: nothing that a run would take for a dataset
+    fresh = tmp_path / "fresh"
+    run = ptbr_limited(200_000, "prepare", "--input", str(big), "--output", str(fresh), "--vocab-size", "400")
+    assert run.returncode == 6
+    assert not (fresh / "train.bin").exists() and not (fresh / "meta.json").exists()
+
+
+def test_an_interrupted_swap_is_refused_as_incomplete(tmp_path, corpus_dir):
+    """The moment between moving the token files in and meta.json: a crash there leaves the
+    marker, and every command refuses the directory instead of training on it."""
+    from ptbr.data.tokens import INCOMPLETE_MARKER
+
+    data = tmp_path / "data"
+    assert ptbr("prepare", "--input", str(corpus_dir), "--output", str(data), "--vocab-size", "400").returncode == 0
+    (data / INCOMPLETE_MARKER).write_text("")
+    (data / "meta.json").unlink()
+    run = ptbr("train", "--data", str(data), "--output", str(tmp_path / "run"), *TINY, "--max-steps", "1")
+    assert run.returncode == 3 and "did not finish" in run.stderr.splitlines()[-1]
+
+
+def test_preflight_report(tmp_path):
+    run = ptbr_limited(2000, "preflight", "--model-size", "tiny", "--seq-len", "64", "--output", str(tmp_path))
+    assert_disk_full_line(run, "preflight_report.json")
+    assert [p.name for p in tmp_path.iterdir()] == []  # no half-written report, and no config without its report
+
+
+def test_run_config_and_summary_json(tmp_path):
+    from ptbr.files import write_json
+
+    write_json(tmp_path / "training_summary.json", {"steps": 1})
+    with file_size_limit(20), pytest.raises(OutputError):
+        write_json(tmp_path / "training_summary.json", {"steps": 2, "padding": "x" * 100})
+    assert json.loads((tmp_path / "training_summary.json").read_text()) == {"steps": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["training_summary.json"]

@@ -1,0 +1,271 @@
+"""Every command, driven off the happy path by a generated table: wrong values for every setting,
+missing, empty, corrupt and truncated files, mismatched pairs. No case may exit 1 (a crash), print
+a traceback, or exit 0 having done nothing: each ends with one `error:` line and the documented
+exit code. The real CLI runs in-process (`ptbr.cli.main`), so hundreds of cases take seconds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import tests.test_finetune as finetune_tests
+from ptbr.cli import main
+from ptbr.config import FinetuneConfig, PretrainConfig, settings_fields
+from ptbr.errors import EXIT_CODES
+
+toy = finetune_tests.toy
+RANDOM = bytes(range(256)) * 8  # not UTF-8, not JSON, not a tokenizer, not safetensors
+
+# --------------------------------------------------------------------------------------------
+# Wrong values for every setting of train and finetune, generated from the settings dataclasses
+# --------------------------------------------------------------------------------------------
+
+# values that are wrong for a field of that kind; some fields add their own below
+WRONG_BY_KIND = {int: ["abc", "1.5", ""], float: ["abc", "nan", ""], str: [""]}
+WRONG_BY_NAME = {
+    "batch_size": ["0", "-1"], "grad_accum": ["0", "-3"], "max_steps": ["0", "-5"], "learning_rate": ["0", "-1e-3",
+    "inf"], "min_lr_ratio": ["-0.1", "1.5"], "warmup_steps": ["-1"], "weight_decay": ["-1", "inf"],
+    "beta1": ["1", "-0.1"], "beta2": ["1.5"], "max_grad_norm": ["-1", "inf"], "save_every": ["-1"],
+    "eval_every": ["-2"], "eval_batches": ["0"], "log_every": ["0"], "seed": ["-1", str(2**70)],
+    "device": ["tpu"], "precision": ["fp8"], "backend": ["jax"], "keep_last": ["-1"], "hang_timeout": ["0", "-5"],
+    "hang_action": ["ignore"], "model_size": ["7b"], "seq_len": ["0", "99999"], "lora_r": ["0", "-8"],
+    "lora_alpha": ["0", "-1"], "lora_dropout": ["1", "-0.1"], "quant": ["3bit"], "max_seq_len": ["0"],
+    "epochs": ["0"], "target_modules": [",", " "],
+}
+
+
+def wrong_values(cls: type) -> list[tuple[str, str]]:
+    from ptbr.config import base_type
+
+    cases = []
+    for f, annotation in settings_fields(cls):
+        kind = base_type(annotation)
+        if kind is bool:
+            continue
+        values = WRONG_BY_KIND.get(kind, []) + WRONG_BY_NAME.get(f.name, [])
+        cases += [(f.name, v) for v in values]
+    return cases
+
+
+@pytest.mark.parametrize("name, value", wrong_values(PretrainConfig))
+def test_train_refuses_every_wrong_value(name, value, tmp_path, capsys):
+    code = main(["train", "--output", str(tmp_path / "run"), f"--{name.replace('_', '-')}", value])
+    assert_refused(capsys, code, 2)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("name, value", wrong_values(FinetuneConfig))
+def test_finetune_refuses_every_wrong_value(name, value, tmp_path, capsys):
+    args = ["finetune", "--output", str(tmp_path / "run"), "--base", "b", "--data", "d"]
+    code = main(args + [f"--{name.replace('_', '-')}", value])
+    assert_refused(capsys, code, 2)
+
+
+@pytest.mark.parametrize("field", ["batch_size", "learning_rate", "seed", "device", "output", "quant"])
+@pytest.mark.parametrize("value", [None, [1, 2], {"a": 1}, "nonsense", -1])
+def test_a_config_file_with_wrong_values_is_refused(field, value, tmp_path, capsys, monkeypatch):
+    """A wrong value is exit 2. A value that is right (null: the default learning rate; any text or
+    number: a path for output) gets as far as the base, which does not exist: exit 4."""
+    config = tmp_path / "run.json"
+    output = {"output": str(tmp_path / "run")} if field != "output" else {}
+    config.write_text(json.dumps({field: value, "base": str(tmp_path / "b"), "data": "d"} | output))
+    valid = (field, value) in (("learning_rate", None), ("output", "nonsense"), ("output", -1))
+    monkeypatch.chdir(tmp_path)
+    code = main(["finetune", "--config", str(config)])
+    assert_refused(capsys, code, 4 if valid else 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Broken files
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    args: list[str]
+    code: int
+    says: str  # a fragment of the one error line
+
+
+def broken_copies(good: Path, tmp: Path, files: dict[str, list[str]]) -> dict[str, Path]:
+    """For each file of `good` and each way of breaking it, a copy of `good` with that file broken."""
+    made = {}
+    for name, ways in files.items():
+        for way in ways:
+            copy = tmp / f"{good.name}-{name.replace('/', '_')}-{way}"
+            shutil.copytree(good, copy)
+            target = copy / name
+            if way == "missing":
+                if target.is_dir():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink()
+            elif way == "empty":
+                target.write_bytes(b"")
+            elif way == "random":
+                target.write_bytes(RANDOM)
+            elif way == "truncated":
+                target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 2) | 1])
+            elif way == "list":
+                target.write_text("[]")
+            elif way == "wrong_types":
+                data = json.loads(target.read_text())
+                target.write_text(json.dumps({k: str(v) if isinstance(v, int | float) else [v] for k, v in data.items()}))
+            made[f"{name}:{way}"] = copy
+    return made
+
+
+@pytest.fixture(scope="module")
+def pretrain_inputs(tmp_path_factory):
+    from ptbr.data.prepare import prepare
+    from tests.conftest import PT_TEXT
+
+    root = tmp_path_factory.mktemp("pretrain")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(f"{PT_TEXT[i % len(PT_TEXT)]} Parágrafo {i}." for i in range(80)), encoding="utf-8")
+    data = root / "data"
+    prepare([str(corpus)], data, vocab_size=400, val_fraction=0.1, show_progress=False)
+    other = root / "other"
+    prepare([str(corpus)], other, vocab_size=420, val_fraction=0.1, show_progress=False)
+    run = root / "run"
+    assert main(["train", "--data", str(data), "--output", str(run), "--model-size", "tiny", "--seq-len", "16",
+                 "--batch-size", "2", "--max-steps", "2", "--save-every", "1", "--device", "cpu"]) == 0
+    return root, data, other, run
+
+
+def test_train_prepare_and_info_on_broken_data(pretrain_inputs, tmp_path, capsys):
+    root, data, other, run = pretrain_inputs
+    broken = broken_copies(data, tmp_path, {
+        "train.bin": ["missing", "empty", "truncated", "random"],
+        "meta.json": ["empty", "random", "list", "wrong_types"],
+        "tokenizer.json": ["missing", "empty", "random", "truncated"],
+    })
+    (tmp_path / "a_file").write_text("x")
+    checkpoint = run / "checkpoints" / "step_000002"
+    bad_checkpoints = broken_copies(checkpoint, tmp_path, {
+        "trainer_state.json": ["missing", "empty", "random", "list", "wrong_types"],
+        "model.safetensors": ["missing", "truncated", "random"],
+        "optimizer.pt": ["truncated", "random"],
+    })
+    train = ["train", "--model-size", "tiny", "--seq-len", "16", "--batch-size", "2", "--max-steps", "3",
+             "--device", "cpu", "--output"]
+    cases = [Case(train + [str(tmp_path / f"run-{key}"), "--data", str(path)], 3, "") for key, path in broken.items()]
+    cases += [Case(["info", "--data", str(path)], 3, "") for path in broken.values()]
+    cases += [
+        Case(train + [str(tmp_path / "r1"), "--data", str(tmp_path / "nope")], 3, "data directory not found"),
+        Case(train + [str(tmp_path / "r2"), "--data", str(tmp_path / "a_file")], 3, "is a file"),
+        Case(train + [str(tmp_path / "r3"), "--data", str(data), "--tokenizer", str(other / "tokenizer.json")], 3,
+             "different tokenizer"),
+        Case(train + [str(tmp_path / "a_file" / "run"), "--data", str(data)], 6, "cannot create or write"),
+        Case(["prepare", "--input", str(tmp_path / "nope.txt"), "--output", str(tmp_path / "p1")], 3, "not found"),
+        Case(["prepare", "--input", str(data / "train.bin"), "--output", str(tmp_path / "p2")], 3, "neither"),
+        Case(["prepare", "--input", str(root / "corpus.txt"), "--output", str(tmp_path / "a_file")], 6, ""),
+        Case(["prepare", "--input", str(root / "corpus.txt"), "--output", str(tmp_path / "p3"), "--tokenizer",
+              str(broken["tokenizer.json:random"] / "tokenizer.json")], 3, "tokenizer"),
+        Case(["prepare", "--input", str(root / "corpus.txt"), "--output", str(tmp_path / "p4"), "--vocab-size",
+              str(10**11)], 2, "--vocab-size"),
+        Case(["prepare", "--input", "", "--output", str(tmp_path / "p5")], 2, "empty path"),
+    ]
+    # checkpoints: named with --resume, broken in every file
+    for key, path in bad_checkpoints.items():
+        out = tmp_path / f"resume-{key}"
+        cases.append(Case(train + [str(out), "--data", str(data), "--resume", str(path)], 4, "checkpoint"))
+    cases.append(Case(train + [str(tmp_path / "r4"), "--data", str(data), "--resume", str(data)], 4,
+                      "not a checkpoint"))
+    cases.append(Case(train + [str(tmp_path / "r5"), "--data", str(other), "--resume", str(checkpoint)], 2,
+                      "belongs to another run"))
+    for case in cases:
+        assert_refused(capsys, main(case.args), case.code, case.says, case.args)
+
+
+def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, capsys):
+    adapter_run = tmp_path / "ft"
+    assert main(["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(adapter_run),
+                 "--quant", "none", "--lora-r", "4", "--batch-size", "8", "--max-steps", "1"]) == 0
+    adapter = adapter_run / "adapters"
+    bases = broken_copies(toy.base, tmp_path, {
+        "config.json": ["missing", "empty", "random", "list", "wrong_types"],
+        "model.safetensors": ["missing", "truncated", "random"],
+        "tokenizer.json": ["missing", "random"],
+    })
+    adapters = broken_copies(adapter, tmp_path, {
+        "adapter_config.json": ["missing", "empty", "random", "list"],
+        "adapter_model.safetensors": ["missing", "truncated", "random"],
+    })
+    jsonl = {"empty": "", "random": RANDOM.decode("latin-1"), "list": "[]\n", "schema": '{"question": "q"}\n',
+             "surrogate": '{"text": "\\ud800 ol\\u00e1"}\n', "mixed": '{"text": "a", "messages": []}\n',
+             "roles": '{"messages": [{"role": "assistant", "content": "x"}]}\n'}
+    files = {}
+    for name, text in jsonl.items():
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text(text, encoding="utf-8", errors="surrogateescape")
+    only_valid = tmp_path / "only_valid"
+    only_valid.mkdir()
+    shutil.copy(toy.data / "valid.jsonl", only_valid)
+
+    finetune = ["finetune", "--quant", "none", "--max-steps", "1", "--output"]
+    cases = [Case(finetune + [str(tmp_path / f"f-{key}"), "--base", str(path), "--data", str(toy.data)], 4, "")
+             for key, path in bases.items() if not key.startswith("tokenizer")]
+    cases += [Case(["validate-data", str(toy.data), "--base", str(path)], 4, "") for key, path in bases.items()
+              if key.startswith(("config", "tokenizer"))]
+    cases += [Case(finetune + [str(tmp_path / f"d-{key}"), "--base", str(toy.base), "--data", str(path)], 3, "")
+              for key, path in [*files.items(), ("only_valid", only_valid)]]
+    cases += [Case(["validate-data", str(path)], 3, "") for path in [*files.values(), only_valid]]
+    cases += [Case(["merge", "--base", str(toy.base), "--adapter", str(path), "--output", str(tmp_path / f"m-{k}")],
+                   4, "adapter") for k, path in adapters.items()]
+    cases += [
+        Case(finetune + [str(tmp_path / "h"), "--base", "someone/some-model", "--data", str(toy.data)], 4,
+             "--download"),
+        Case(finetune + [str(tmp_path / "v"), "--base", str(toy.base), "--data", str(toy.data), "--valid",
+                         str(tmp_path / "nope.jsonl")], 3, "validation file not found"),
+        Case(["validate-data", str(toy.data), "--base", str(toy.base), "--max-seq-len", "-5"], 2, "max-seq-len"),
+        Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(adapter_run)], 6,
+             "output"),
+        Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(toy.base)], 6, "output"),
+        Case(["generate", "", "--model", str(toy.base)], 2, "prompt"),
+        Case(["generate", "Oi", "--model", str(toy.base), "--temperature", "nan"], 2, "temperature"),
+        Case(["generate", "Oi", "--model", str(toy.base), "--seed", "-5"], 2, "seed"),
+        Case(["generate", "Oi", "--model", str(bases["model.safetensors:random"])], 4, ""),
+        Case(["generate", "Oi", "--model", str(adapter_run / "checkpoints" / "step_000001")], 4, ""),
+        Case(["generate", "Oi", "--model", str(toy.base), "--adapter", str(adapters["adapter_model.safetensors:random"])],
+             4, ""),
+    ]
+    for case in cases:
+        assert_refused(capsys, main(case.args), case.code, case.says, case.args)
+
+
+def test_the_other_commands_refuse_wrong_values(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    cases = [
+        Case(["info"], 2, "nothing to describe"),
+        Case(["info", "--model-size", "7b"], 2, "7b"),
+        Case(["info", "--model-size", "tiny", "--seq-len", "100000"], 2, "--seq-len"),
+        Case(["info", "--model-size", "tiny", "--vocab-size", "0"], 2, "vocab"),
+        Case(["info", "--data", str(tmp_path / "a_file")], 3, "is a file"),
+        Case(["test-gpu", "--model-size", "tiny", "--batch-size", "0"], 2, "batch"),
+        Case(["test-gpu", "--model-size", "tiny", "--vocab-size", "0"], 2, "vocab"),
+        Case(["test-gpu", "--model-size", "tiny", "--seq-len", "4096"], 2, "--seq-len"),
+        Case(["smoke", "--output", str(tmp_path / "a_file" / "x")], 9, "smoke failed"),
+        Case(["preflight", "--mode", "pretrain", "--lora-r", "8", "--output", str(tmp_path / "p")], 2, "--lora-r"),
+        Case(["preflight", "--data", str(tmp_path / "nope"), "--output", str(tmp_path / "p")], 10, "data.dataset"),
+    ]
+    for case in cases:
+        assert_refused(capsys, main(case.args), case.code, case.says, case.args)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def assert_refused(capsys, code: int, expected: int, says: str = "", args=None) -> None:
+    out, err = capsys.readouterr()
+    where = f"{args}: exit {code}\n{err[-2000:]}"
+    assert code == expected and code in EXIT_CODES, where
+    assert code != 0 and code != 1, where
+    assert "Traceback" not in out + err, where
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: ") and "; fix: " in lines[-1], where
+    assert says in lines[-1], where

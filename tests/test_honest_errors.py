@@ -1,0 +1,185 @@
+"""Off the happy path, one verdict per question and messages that say what happened: data checks
+shared by validate-data and finetune, a missing base refused at once, every bad setting of a config
+file in one message, prepare on inputs with nothing usable, and the README's exit codes = the code's."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import tests.test_finetune as finetune_tests
+from ptbr.cli import main
+from ptbr.errors import EXIT_CODES, PtbrError
+
+toy = finetune_tests.toy
+REPO = Path(__file__).resolve().parents[1]
+
+
+def last_error(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_validate_data_and_finetune_give_one_verdict(toy, tmp_path, capsys):
+    """At --max-seq-len 8 every example's answer is cut off: both refuse with the same problem."""
+    assert main(["validate-data", str(toy.data), "--base", str(toy.base), "--max-seq-len", "8"]) == 3
+    out = capsys.readouterr().out
+    assert "no example is left within max_seq_len 8" in out and "\n  ok" not in out
+    assert main(["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(tmp_path / "run"),
+                 "--quant", "none", "--max-seq-len", "8"]) == 3
+    assert "no example is left within max_seq_len 8" in last_error(capsys)
+    # and a length both accept
+    assert main(["validate-data", str(toy.data), "--base", str(toy.base), "--max-seq-len", "64"]) == 0
+    assert "40 usable within max_seq_len 64" in capsys.readouterr().out
+
+
+def test_a_missing_base_is_refused_at_once_without_asking_a_hub(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "Olá"}\n', encoding="utf-8")
+    for base, hint in (("mistralai/Mistral-7B-v0.1x", "add --download"), (str(tmp_path / "no_such_dir"), None)):
+        started = time.monotonic()
+        code = main(["finetune", "--base", base, "--data", str(data), "--output", str(tmp_path / "run")])
+        line = last_error(capsys)
+        assert code == 4 and time.monotonic() - started < 10
+        assert line.startswith("error: base model directory not found")
+        assert (hint in line) if hint else ("--download" not in line)
+
+
+def test_a_config_file_reports_every_bad_value_at_once(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("batch_size: many\nlearning_rate: -1\nhang_action: shout\nseq_len: 99999\nwarmup: 3\n")
+    assert main(["train", "--config", str(config)]) == 2
+    line = last_error(capsys)
+    for fragment in ("5 problems", "unknown key 'warmup'", "batch_size must be of type int, got 'many'",
+                     "learning_rate must be a finite number > 0, got -1.0", "hang_action must be exit or warn",
+                     "seq_len 99999 exceeds the tiny model's maximum"):
+        assert fragment in line, fragment
+    assert "above" not in line and "--help" in line
+
+
+def test_prepare_on_inputs_without_text_fails_and_a_small_vocabulary_is_a_warning(tmp_path, capsys, corpus_dir):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n   \n\n", encoding="utf-8")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n{"text": "  "}\n', encoding="utf-8")
+    for source in (blank, empty):
+        assert main(["prepare", "--input", str(source), "--output", str(tmp_path / "data")]) == 3
+        assert "the inputs hold no text" in last_error(capsys)
+        assert not (tmp_path / "data" / "train.bin").exists()
+    assert main(["prepare", "--input", str(corpus_dir), "--output", str(tmp_path / "data"), "--vocab-size",
+                 "70000"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"warning: the trained vocabulary has [\d,]+ tokens, far fewer than the 70,000 asked", err)
+
+
+def test_the_readme_exit_code_table_is_the_code_s():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## When something goes wrong", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", section, flags=re.M))
+    assert {int(code) for code in rows} == set(EXIT_CODES)
+    # every error class's code is in the table, and no code is documented without a class or a rule
+    classes = {cls.exit_code for cls in _subclasses(PtbrError)}
+    assert classes <= set(EXIT_CODES) and set(EXIT_CODES) - classes == {0, 1, 141}
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_help_lists_the_same_exit_codes(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for code, meaning in EXIT_CODES.items():
+        assert f"{code:<4} {meaning}" in out
+
+
+def test_the_readme_s_what_ptbr_does_list_matches_the_code():
+    """Each promise of "What ptbr does" with a number or a name in it, against the constant the code uses."""
+    from ptbr.errors import HangDetected, Interrupted, OutputError, TrainingDiverged
+    from ptbr.runs.common import PREVIOUS
+    from ptbr.train import watchdog
+    from ptbr.train.lock import LOCK_FILE
+    from ptbr.train.loop import MAX_BAD_STEPS_IN_A_ROW
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("What ptbr does so that no failure is silent", 1)[1].split("\n## ", 1)[0]
+    promises = {
+        f"`OUTPUT/{LOCK_FILE}` is held (flock)": True,
+        f"moves the old run's files to `OUTPUT/{PREVIOUS}/`": True,
+        f"exits with {HangDetected.exit_code}": True,
+        f"{watchdog.BEFORE_FIRST_STEP_S / 60:.0f} minutes until the first": True,
+        f"then {watchdog.AFTER_FIRST_STEP_FACTOR:.0f} times the first step's time": True,
+        f"(at least {watchdog.AFTER_FIRST_STEP_MIN_S / 60:.0f} minutes)": True,
+        f"and exits with {Interrupted.exit_code}": True,
+        f"is exit {OutputError.exit_code}": True,
+        f"after {MAX_BAD_STEPS_IN_A_ROW} in a row the run stops": True,
+    }
+    missing = [promise for promise in promises if promise not in " ".join(section.split())]
+    assert not missing, missing
+    table = readme.split("| exit code | meaning |", 1)[1]
+    assert f"| {TrainingDiverged.exit_code} | training diverged: loss or gradients non-finite for " \
+           f"{MAX_BAD_STEPS_IN_A_ROW} steps in a row |" in table
+
+
+def test_out_of_memory_without_auto_fit_is_exit_5_not_a_crash(tmp_path, capsys, oom_above):
+    oom_above(limit=2)
+    code = main(["train", "--output", str(tmp_path / "run"), "--model-size", "tiny", "--seq-len", "32",
+                 "--batch-size", "4", "--max-steps", "2", "--device", "cpu"])
+    line = last_error(capsys)
+    assert code == 5 and line.startswith("error: out of memory on cpu: CUDA out of memory")
+    assert "--auto-fit" in line and not (tmp_path / "run" / "crash_report.txt").exists()
+
+
+def _small_vocab_base(toy, tmp_path) -> Path:
+    """The toy base's files with config.json claiming a vocabulary smaller than its tokenizer's."""
+    import shutil
+
+    base = tmp_path / "small_vocab"
+    shutil.copytree(toy.base, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    return base
+
+
+def test_a_tokenizer_that_does_not_belong_to_the_model_is_refused_before_training(toy, tmp_path, capsys):
+    base = _small_vocab_base(toy, tmp_path)
+    for args in (["finetune", "--base", str(base), "--data", str(toy.data), "--output", str(tmp_path / "run"),
+                  "--quant", "none"],
+                 ["validate-data", str(toy.data), "--base", str(base)]):
+        assert main(args) == 4
+        assert "the tokenizer has 384 tokens but the model's vocabulary (config.json vocab_size) has 100" in \
+            last_error(capsys)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert main(["preflight", "--mode", "finetune", "--base", str(base), "--data", str(toy.data), "--quant", "none",
+                 "--output", str(tmp_path / "plan")]) == 10
+    report = json.loads((tmp_path / "plan" / "preflight_report.json").read_text())
+    assert [c["name"] for c in report["checks"] if c["status"] == "fail"] == ["model.tokenizer"]
+    # a failed preflight recommends nothing: no config to run into the same failure, no "next:" line
+    assert not (tmp_path / "plan" / "recommended_config.json").exists()
+    assert "next: ptbr finetune" not in capsys.readouterr().out
+
+
+def test_examples_longer_than_the_model_are_one_verdict(toy, tmp_path, capsys):
+    """The toy base has 256 positions; --max-seq-len 1024 keeps a 300-token example whole."""
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"text": " ".join(["Porto"] * 300)}) + "\n", encoding="utf-8")
+    assert main(["validate-data", str(long), "--base", str(toy.base)]) == 3
+    assert "1 examples are longer than the base model's 256 positions" in capsys.readouterr().out
+    assert main(["finetune", "--base", str(toy.base), "--data", str(long), "--output", str(tmp_path / "run"),
+                 "--quant", "none"]) == 3
+    assert "longer than the base model's 256 positions" in last_error(capsys)
+
+
+def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):
+    run = tmp_path / "my_run"
+    run.mkdir()
+    (run / "train.log").write_text("a user's run\n")
+    assert main(["smoke", "--output", str(run)]) == 9
+    assert "already holds other files" in last_error(capsys)
+    assert [p.name for p in run.iterdir()] == ["train.log"]

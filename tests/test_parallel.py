@@ -1,0 +1,208 @@
+"""Data-parallel training on CPU with gloo, through the real launchers: `torchrun --standalone
+--nproc-per-node 2 -m ptbr ...` and ptbr's own `--num-processes 2`. Two processes with batch 2 train
+the model one process trains with batch 4 (pretraining, LoRA fine-tuning, FSDP); a 2-process run
+resumes in 1 process; SIGTERM to the launcher stops both ranks with one checkpoint.
+
+The learning rate is 1e-3 here: ranks sum their gradients in another order than one process does,
+and AdamW turns that float noise into updates of a few 1e-6 per step at this rate (the noise scales
+with the learning rate; at the tiny preset's default 3e-3 it reaches ~1.4e-5 after three steps).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tests.test_finetune as finetune_tests
+from tests.conftest import REPO
+
+toy = finetune_tests.toy
+pytestmark = pytest.mark.slow
+TINY = ["--model-size", "tiny", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "2", "--device", "cpu",
+        "--learning-rate", "1e-3"]
+
+
+def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def ptbr(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def max_difference(a: Path, b: Path) -> float:
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_train_the_model_one_process_trains_with_twice_the_batch(tmp_path):
+    """torchrun, 2 x batch 2 x grad_accum 2 (the ranks' last micro-batches synchronise), against
+    1 x batch 4 x grad_accum 2: the same windows, the same losses, the same weights."""
+    common = [*TINY, "--grad-accum", "2", "--max-steps", "3", "--save-every", "3"]
+    two = torchrun("train", "--output", str(tmp_path / "two"), "--batch-size", "2", *common)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
+    assert one.returncode == 0, one.stderr
+    assert max_difference(tmp_path / "two" / "final" / "model.safetensors",
+                          tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    two_rows, one_rows = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [r["loss"] for r in two_rows] == pytest.approx([r["loss"] for r in one_rows], rel=1e-6)
+    assert two_rows[-1]["val_loss"] == pytest.approx(one_rows[-1]["val_loss"], rel=1e-6)
+    config = json.loads((tmp_path / "two" / "run_config.json").read_text())
+    assert config["processes"] == 2 and config["effective_batch"] == 8
+    # one rank wrote the run's files: one set of metrics rows, one checkpoint
+    assert [r["step"] for r in two_rows] == [1, 2, 3]
+    assert "data parallel over 2 processes: batch 2 x grad_accum 2 x 2 processes = 8 per step" in two.stderr
+
+
+def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path):
+    """40 examples, 2 x batch 3 against 1 x batch 6: the epoch's last global micro-batch has 4
+    examples (3 on rank 0, 1 on rank 1); dropout 0 so that both runs draw nothing at random."""
+    common = ["--base", str(toy.base), "--data", str(toy.data), "--quant", "none", "--lora-r", "8",
+              "--lora-dropout", "0", "--max-steps", "7", "--eval-every", "7", "--learning-rate", "1e-3",
+              "--device", "cpu"]
+    two = torchrun("finetune", "--output", str(tmp_path / "two"), "--batch-size", "3", *common)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = ptbr("finetune", "--output", str(tmp_path / "one"), "--batch-size", "6", *common)
+    assert one.returncode == 0, one.stderr
+    assert max_difference(tmp_path / "two" / "adapters" / "adapter_model.safetensors",
+                          tmp_path / "one" / "adapters" / "adapter_model.safetensors") < 1e-5
+    assert [r["loss"] for r in metrics(tmp_path / "two")] == pytest.approx(
+        [r["loss"] for r in metrics(tmp_path / "one")], rel=1e-5)
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
+    common = [*TINY, "--save-every", "2"]
+    straight = ptbr("train", "--output", str(tmp_path / "straight"), "--batch-size", "4", "--max-steps", "4", *common)
+    assert straight.returncode == 0, straight.stderr
+    run = tmp_path / "run"
+    first = ptbr("train", "--output", str(run), "--batch-size", "2", "--num-processes", "2", "--max-steps", "4",
+                 *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for later in ("step_000004",):
+        import shutil
+
+        shutil.rmtree(run / "checkpoints" / later)
+    # the same global batch of 4, now as 1 process x batch 4
+    resumed = ptbr("train", "--output", str(run), "--batch-size", "4", "--max-steps", "4", *common)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr and "step_000002" in resumed.stderr
+    assert max_difference(run / "final" / "model.safetensors", tmp_path / "straight" / "final" /
+                          "model.safetensors") < 1e-5
+
+
+def test_fsdp_shards_and_gives_the_same_model(tmp_path):
+    common = [*TINY, "--max-steps", "4", "--save-every", "2"]
+    fsdp = ptbr("train", "--output", str(tmp_path / "fsdp"), "--batch-size", "2", "--num-processes", "2", "--fsdp",
+                *common)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
+    assert one.returncode == 0, one.stderr
+    assert max_difference(tmp_path / "fsdp" / "final" / "model.safetensors",
+                          tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    # its checkpoints hold the whole state: a single process resumes from one
+    resumed = ptbr("train", "--output", str(tmp_path / "single"), "--batch-size", "4", *common, "--resume",
+                   str(tmp_path / "fsdp" / "checkpoints" / "step_000002"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert max_difference(tmp_path / "single" / "final" / "model.safetensors",
+                          tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "ptbr", "train", "--output", str(run), "--batch-size", "2",
+                                 "--num-processes", "2", *TINY, "--max-steps", "100000", "--save-every", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 240
+    while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, err[-3000:]
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert len(checkpoints) == 1  # both ranks stopped at the same step boundary: one checkpoint
+    step = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"]
+    assert f"stopped by SIGTERM at step {step}" in (run / "train.log").read_text()
+    # and the run goes on from there
+    again = ptbr("train", "--output", str(run), "--batch-size", "2", "--num-processes", "2", *TINY,
+                 "--max-steps", str(step + 1), "--save-every", "0")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {checkpoints[0]}" in again.stderr
+
+
+def test_a_failing_rank_s_exit_code_is_the_run_s(tmp_path):
+    bad = ptbr("train", "--output", str(tmp_path / "run"), "--num-processes", "2", "--data", str(tmp_path / "nope"),
+               *TINY)
+    assert bad.returncode == 3
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: data directory not found")
+    assert "Traceback" not in bad.stderr
+
+
+def test_num_processes_auto_on_a_machine_without_gpus_runs_one(tmp_path):
+    run = ptbr("train", "--output", str(tmp_path / "run"), "--num-processes", "auto", "--batch-size", "2", *TINY,
+               "--max-steps", "1")
+    assert run.returncode == 0, run.stderr
+    assert "data parallel" not in run.stderr
+    assert json.loads((tmp_path / "run" / "run_config.json").read_text())["processes"] == 1
+    assert torch.cuda.device_count() == 0 or pytest.skip("a GPU machine: auto starts one process per GPU")
+
+
+STALL_ON_RANK_1 = """
+import os, sys, time
+from ptbr.data import tokens
+original = tokens.PretrainBatches.cycle
+def stalled(self, step):
+    if step == 2 and os.environ["RANK"] == "1":
+        time.sleep(600)  # rank 1's data source stops answering; rank 0 waits for it in a collective
+    return original(self, step)
+tokens.PretrainBatches.cycle = stalled
+from ptbr.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_the_watchdog_names_the_rank_and_step_of_a_stuck_run(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(STALL_ON_RANK_1)
+    run = tmp_path / "run"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), "train", "--output", str(run), "--batch-size", "2", *TINY,
+                             "--max-steps", "4", "--hang-timeout", "15"], capture_output=True, text=True,
+                            timeout=240, cwd=REPO)
+    assert result.returncode != 0 and time.monotonic() - started < 200
+    stuck = (run / "hang_report.rank1.txt").read_text()
+    assert "rank 1: no progress for" in stuck and "before the first step" not in stuck and " in stalled" in stuck
+    waiting = (run / "hang_report.txt").read_text()
+    assert "while training after step 2" in waiting  # rank 0 finished step 2 and waits on step 3's collective
+    assert "rank 1: no progress for" in result.stderr or "rank 1" in result.stderr
+
+
+def test_accelerate_launch_is_a_launcher_too(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m ptbr ...` (torchrun underneath) on CPU."""
+    common = [*TINY, "--max-steps", "2", "--save-every", "2"]
+    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "-m", "ptbr", "train", "--output", str(tmp_path / "two"), "--batch-size", "2", *common],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "run_config.json").read_text())["processes"] == 2
+    one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
+    assert one.returncode == 0, one.stderr
+    assert [r["loss"] for r in metrics(tmp_path / "two")] == pytest.approx(
+        [r["loss"] for r in metrics(tmp_path / "one")], rel=1e-6)

@@ -28,11 +28,11 @@ def benchmark():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, quant, precision, checkpointing, batch, seq", [
-    ("pretrain", "none", "fp32", False, 4, 128),
+    # one point per term of the model, to keep CI short (the README's grid is the benchmark's):
+    # recomputed layers, the logits of a large vocabulary, a layer's saved activations, 4-bit weights
     ("pretrain", "none", "fp32", True, 4, 128),
     ("pretrain-wide", "none", "fp32", False, 1, 32),
     ("lora", "none", "fp32", False, 2, 128),
-    ("lora", "4bit", "fp32", False, 2, 128),
     ("lora", "4bit", "fp32", True, 2, 128),
 ])
 def test_predicted_peak_is_within_ten_percent_of_mlx_peak(mode, quant, precision, checkpointing, batch, seq):

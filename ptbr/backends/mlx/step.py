@@ -87,6 +87,8 @@ class MlxStep:
 
     def __init__(self, model, optimizer, precision: str, max_grad_norm: float, rows: int, longest: int,
                  kind: str, config: dict, compute_dtype=None):
+        import mlx.core as mx
+
         self.model = model
         self.optimizer = optimizer
         self.precision = precision
@@ -97,6 +99,9 @@ class MlxStep:
         self.config = config
         self.compute_dtype = compute_dtype
         self._compile()
+        # mem_bytes is this step's peak: not that of --auto-fit's throwaway tries, or of an
+        # earlier run in the same process
+        mx.reset_peak_memory()
 
     def _forward_loss(self, params, input_ids, labels):
         """The summed loss with the trainable weights `params` (cast to the compute dtype)."""

@@ -95,6 +95,40 @@ def torch_index(lock: Path) -> list[str]:
     return ["--extra-index-url", BUILD.TORCH_CPU_INDEX]
 
 
+# What the MLX path needs no part of: the torch backend's libraries.
+TORCH_ONLY = {"torch", "peft", "bitsandbytes", "accelerate"}
+# Where the MLX path starts: ptbr's own dependencies but torch's, and MLX with mlx-lm.
+MLX_ROOTS = {"transformers", "tokenizers", "safetensors", "numpy", "psutil", "pyyaml", "tqdm", "mlx", "mlx-lm"}
+
+
+def lock_requirers(lock: Path) -> dict[str, set[str]]:
+    """{package: the packages pinned because it requires them}, from the lock's `# via` notes."""
+    requires: dict[str, set[str]] = {}
+    current = None
+    for line in lock.read_text().splitlines():
+        if line[:1].strip():
+            current = pinned_name(line)
+            continue
+        note = re.match(r"^\s+#\s+(?:via\s+)?([A-Za-z0-9][A-Za-z0-9._\[\]-]*)\s*$", line)
+        if current and note and note.group(1) != "via":
+            requires.setdefault(canonical(note.group(1).split("[")[0]), set()).add(current)
+    return requires
+
+
+def mlx_packages(lock: Path) -> set[str]:
+    """The lock's packages that the MLX path imports: MLX_ROOTS and everything they require,
+    without the torch backend's libraries (the set `nox -s mac` and tests/test_mlx_env.py install)."""
+    requires, found, todo = lock_requirers(lock), set(), [canonical(root) for root in MLX_ROOTS]
+    pinned = {pinned_name(line) for line in lock.read_text().splitlines()}
+    while todo:
+        name = todo.pop()
+        if name in found or name in TORCH_ONLY or name not in pinned:
+            continue
+        found.add(name)
+        todo.extend(requires.get(name, ()))
+    return found
+
+
 def install_locked(session: nox.Session, lock: Path) -> None:
     """Every dependency from the lock (hash-checked), then ptbr from this checkout without its
     dependencies; what the lock does not name is removed, so that a reused environment holds the
@@ -145,7 +179,8 @@ def preflight(session: nox.Session) -> None:
 @nox.session(python=LOCK_PYTHON, default=False)
 def bench(session: nox.Session) -> None:
     """The memory model's predicted peaks against measured ones (the README's accuracy tables):
-    pretraining, then LoRA/QLoRA.
+    pretraining, then LoRA/QLoRA; on Apple Silicon also the MLX estimate and ptbr's MLX LoRA
+    speed against mlx_lm.lora (benchmarks/mlx_*.py).
 
     The CPU grids take about 15 minutes on 2 cores; on a GPU machine, `-- --device cuda` (the
     environment then installs locks/cuda.txt, PyPI's CUDA build of torch)."""
@@ -153,6 +188,27 @@ def bench(session: nox.Session) -> None:
     install_locked(session, lock_for(session, "cuda" if cuda else "run"))
     session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
     session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *session.posargs)
+    if (platform.system(), platform.machine()) == ("Darwin", "arm64"):  # MLX is in the run lock there
+        session.run("python", "benchmarks/mlx_memory_accuracy.py", "--markdown")
+        session.run("python", "benchmarks/mlx_lora_speed.py", "--json", "benchmarks/results/mlx_lora_speed_metal.json")
+
+
+@nox.session(python=LOCK_PYTHON, default=False)
+def mac(session: nox.Session) -> None:
+    """The native Mac environment (macOS on Apple Silicon): MLX and mlx-lm for Metal from the
+    hash-locked locks/macos.txt, without torch (the MLX path needs none), then `ptbr preflight`
+    and `ptbr smoke --backend mlx`. On any other platform it says so and fails."""
+    system, machine = platform.system(), platform.machine()
+    if (system, machine) != ("Darwin", "arm64"):
+        session.error(f"nox -s mac is for macOS on Apple Silicon (Darwin arm64), and this is {system} {machine}: "
+                      "MLX's Metal build exists only there. Elsewhere: nox -s tests (MLX's CPU build is in it)")
+    lock = lock_for(session, "run")
+    requirements = Path(session.create_tmp()) / "mlx.txt"
+    requirements.write_text(lock_entries(lock, mlx_packages(lock) | {"setuptools", "wheel"}))
+    session.install("--require-hashes", "--no-deps", "-r", str(requirements))
+    session.install("--no-deps", "--no-build-isolation", "-e", ".")
+    session.run("ptbr", "preflight", "--output", "runs/preflight-mac", *session.posargs)
+    session.run("ptbr", "smoke", "--backend", "mlx")
 
 
 @nox.session(python=LOCK_PYTHON, default=False)

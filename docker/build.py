@@ -127,7 +127,7 @@ LOCKS = {
         Lock(
             name="macos",
             purpose="Apple Silicon (macOS arm64: torch with MPS, MLX and mlx-lm)",
-            extras=("finetune", "mlx", "kaggle", "dev", "report", "tensorboard"),
+            extras=("finetune", "mlx", "kaggle", "dev", "torch", "report", "tensorboard"),
             torch=f"torch=={TORCH_VERSION}",
             python_platform="aarch64-apple-darwin",
             markers=DARWIN_ARM64,

@@ -17,7 +17,15 @@ import traceback
 import warnings
 
 from ptbr import __version__
-from ptbr.config import DEFAULT_VOCAB_SIZE, DEVICES, MODES, PRESETS, FinetuneConfig, PretrainConfig
+from ptbr.config import (
+    BACKENDS,
+    DEFAULT_VOCAB_SIZE,
+    DEVICES,
+    MODES,
+    PRESETS,
+    FinetuneConfig,
+    PretrainConfig,
+)
 from ptbr.errors import EXIT_CODES
 from ptbr.flags import add_preflight_flags, add_settings_flags, setting_default
 from ptbr.kaggle.bundle import BundleSettings
@@ -26,6 +34,8 @@ from ptbr.kaggle.layout import POLL_SECONDS
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
 # 128 + SIGPIPE: the status a shell shows for git or ls when `| head` stops reading
 EXIT_BROKEN_PIPE = 141
+BACKEND_HELP = ("torch, or mlx (Apple Silicon, also mlx[cpu] on Linux); auto picks mlx on Apple Silicon when mlx "
+                "is installed, torch elsewhere (default: auto)")
 DEBUG_HELP = "show tracebacks and third-party warnings (also PTBR_DEBUG=1); before or after the command"
 
 # command -> (module:function, one-line help); modules load only when their command runs
@@ -39,6 +49,8 @@ COMMANDS = {
     "finetune": ("ptbr.commands.finetune:main", "LoRA/QLoRA fine-tuning of a Hugging Face model on chat/instruction JSONL"),
     "validate-data": ("ptbr.commands.validate_data:main", "check chat/instruction JSONL, every problem with its line"),
     "merge": ("ptbr.commands.merge:main", "merge a LoRA adapter into its base: a full model that loads without peft"),
+    "export-adapter": ("ptbr.commands.export_adapter:main",
+                       "convert a LoRA adapter between PEFT's format (torch) and mlx-lm's (MLX)"),
     "preflight": ("ptbr.commands.preflight:main", "check hardware, packages, data, model and disk; recommend a config that fits"),
     "monitor": ("ptbr.commands.monitor:main", "watch a run from another terminal: progress, loss, memory, stalls (read-only)"),
     "report": ("ptbr.commands.report:main", "plots and report.md of a run, or several runs overlaid (needs matplotlib)"),
@@ -112,11 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     p.add_argument("--device", default="auto", choices=DEVICES,
-                   help="auto picks cuda, then mps, then cpu (default: auto)")
+                   help="auto picks cuda, then mps, then cpu; with --backend mlx the Metal GPU, or cpu (default: auto)")
 
     p = command("smoke")
     p.add_argument("--output", help="keep the smoke run here (default: a temporary directory, removed at the end)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
 
     p = command("finetune")
     add_settings_flags(p, FinetuneConfig)
@@ -141,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the merged weights (default: auto, the base's own)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code to run")
     p.add_argument("--download", action="store_true", help="allow --base to be a Hugging Face Hub id (needs network)")
+
+    p = command("export-adapter")
+    p.add_argument("adapter", help="the adapter directory (OUTPUT/adapters), in either format")
+    p.add_argument("--to", required=True, choices=("peft", "mlx"),
+                   help="peft: adapter_model.safetensors for PEFT and the torch backend; mlx: adapters.safetensors "
+                        "for mlx-lm and the MLX backend")
+    p.add_argument("--output", required=True, help="directory to write the converted adapter to")
+    p.add_argument("--base", help="the base model it was trained on, recorded in the converted adapter "
+                                  "(default: the one the adapter records)")
 
     p = command("preflight")
     add_preflight_flags(p)

@@ -367,9 +367,119 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
     included. `processes`: data-parallel processes (each holds everything, unless settings.fsdp
     shards the state among them)."""
     overhead = RUNTIME_BYTES.get(target, RUNTIME_BYTES["cpu"])
+    if target == "mlx":
+        lora = hasattr(settings, "lora_r")
+        return estimate_mlx_memory(arch, batch_size, seq_len, precision, settings.lora_r if lora else None,
+                                   MLX_QUANT_BITS[settings.quant] if lora else None, checkpointing,
+                                   lora_dropout=lora and settings.lora_dropout > 0, overhead=overhead,
+                                   targets=lora_targets(settings.target_modules) if lora else LORA_ALL)
     if not hasattr(settings, "lora_r"):
         shards = processes if settings.fsdp else 1
         return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards)
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
                                 targets=lora_targets(settings.target_modules), device=target)
+
+
+# --------------------------------------------------------------------------------------------
+# MLX (ptbr/backends/mlx): its own estimate, measured against mx.get_peak_memory()
+# --------------------------------------------------------------------------------------------
+
+MLX_GROUP = 64  # MLX's affine quantization: a scale and a bias per group of 64 weights
+MLX_QUANT_BITS = {"4bit": 4, "8bit": 8, "none": None}  # --quant on the MLX backend
+LORA_ALL = ("q", "k", "v", "o", "gate", "up", "down")
+# One decoder layer's backward pass holds this many times its saved activations on top of what
+# every layer saved (its gradients and MLX's temporaries), measured on mlx[cpu]
+# (benchmarks/mlx_memory_accuracy.py).
+MLX_LAYER_WORKING = 2
+
+
+def mlx_quant_bytes(bits: int, compute: int) -> float:
+    """Bytes per weight of MLX's affine quantization: the packed bits, and a scale and a bias per
+    group of 64 in the compute dtype."""
+    return bits / 8 + 2 * compute / MLX_GROUP
+
+
+def _mlx_layer_inventory(arch: Architecture, compute: int, seq_len: int) -> int:
+    """Bytes one decoder layer of mlx-lm's Llama saves for the backward pass, per token: each
+    RMSNorm's input and output (the norm's and the next projections' gradients need them), RoPE'd
+    q, k and v, the attention output, the residual after attention, and four intermediate-sized
+    MLP tensors (gate, up, silu(gate), their product), all in the compute dtype; and the attention
+    probabilities (heads x seq_len per token, fp32): on the CPU MLX computes attention unfused."""
+    h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
+    return compute * (4 * h + 2 * a + 2 * kv + 4 * i) + 4 * heads * seq_len
+
+
+def _mlx_adapter_inventory(arch: Architecture, compute: int, rank: int, dropout: bool,
+                           targets: tuple[str, ...]) -> int:
+    """What mlx-lm's LoRA layers of one decoder layer add, per token: each adapter's B input (rank
+    values, fp32: the adapters are fp32); with dropout, each adapter's own dropped-out input; under
+    bf16/fp16, each adapter's fp32 copy of its input (x @ lora_a promotes x to the adapter's fp32)."""
+    inputs = {"q": arch.hidden_size, "k": arch.hidden_size, "v": arch.hidden_size, "o": arch.attention_dim,
+              "gate": arch.hidden_size, "up": arch.hidden_size, "down": arch.intermediate_size}
+    every = sum(inputs[t] for t in targets)
+    return 4 * rank * len(targets) + (compute * every if dropout else 0) + (4 * every if compute < 4 else 0)
+
+
+def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, precision: str = "bf16",
+                        lora_rank: int | None = None, quant_bits: int | None = None,
+                        gradient_checkpointing: bool = False, lora_dropout: bool = False, overhead: int = 0,
+                        targets: tuple[str, ...] = LORA_ALL) -> MemoryEstimate:
+    """Predicted peak of an MLX training step (ptbr.backends.mlx), as mx.get_peak_memory() reports it.
+
+    Pretraining (lora_rank None): fp32 master weights, their fp32 gradients and AdamW state, and
+    under bf16/fp16 a 16-bit cast of every weight for the forward and backward passes. LoRA: the
+    frozen base in the compute dtype or MLX-quantized (quant_bits 4 or 8: every layer MLX quantizes,
+    embeddings and output layer included), fp32 adapters with gradients and AdamW state.
+    Two moments of a step can be the peak:
+      backward   = weights + optimizer + gradients + every layer's saved activations (with
+                   checkpointing: each layer's input) + one layer's backward working set + the
+                   fp32 logits, their exponentials and their gradient (3 x 4 B per vocabulary entry)
+      update     = weights + optimizer + gradients + one group's new weights, AdamW state and
+                   clipped gradients (MLX writes them to fresh buffers before the old ones are
+                   freed; ptbr's AdamW updates one decoder layer, then the rest, at a time)
+    (MemoryEstimate's fields: backward_start holds the backward moment, backward_end the update;
+    forward_end is the forward pass's end, never the larger.) Within 8% of mx.get_peak_memory() on
+    mlx[cpu] (benchmarks/mlx_memory_accuracy.py; tests/test_mlx_memory.py allows 10%); on Metal,
+    where attention's forward pass is fused, not measured yet.
+    """
+    tokens = batch_size * seq_len
+    compute = 2 if precision in ("fp16", "bf16") else 4
+    lora = lora_rank is not None
+    if lora:
+        trainable = arch.lora_parameters(lora_rank, targets)
+        if quant_bits:
+            quantized = arch.linear_parameters + arch.vocab_size * arch.hidden_size * (
+                1 if arch.tie_word_embeddings else 2)
+            base = round(mlx_quant_bytes(quant_bits, compute) * quantized) + compute * (arch.parameters - quantized)
+        else:
+            base = compute * arch.parameters
+        weights = base + 4 * trainable
+        casts = 0
+    else:
+        trainable = arch.parameters
+        weights = 4 * trainable
+        casts = compute * trainable if compute < 4 else 0
+    per_layer = _mlx_layer_inventory(arch, compute, seq_len)
+    adapters = _mlx_adapter_inventory(arch, compute, lora_rank, lora_dropout, targets) if lora else 0
+    if gradient_checkpointing:  # each layer's input; the layer being recomputed is in `working`
+        activations = arch.num_layers * compute * arch.hidden_size * tokens
+        working = (MLX_LAYER_WORKING * per_layer + adapters) * tokens
+    else:
+        activations = arch.num_layers * (per_layer + adapters) * tokens
+        working = MLX_LAYER_WORKING * per_layer * tokens
+    logits = 3 * 4 * tokens * arch.vocab_size
+    resident = weights + 8 * trainable + 4 * trainable + overhead  # + AdamW state + gradients
+    if lora:  # the adapters of one layer
+        group = trainable // arch.num_layers
+    else:  # a decoder layer, or the embeddings with the output layer and the final norm
+        group = max(arch.layer_linear_parameters() + 2 * arch.hidden_size, arch.parameters - arch.num_layers * (
+            arch.layer_linear_parameters() + 2 * arch.hidden_size))
+    return MemoryEstimate(
+        precision=precision, weights=weights, gradients=4 * trainable, optimizer=8 * trainable,
+        activations=activations, logits=logits, overhead=overhead, weight_copies=casts,
+        forward_end=resident + casts + activations + compute * tokens * arch.vocab_size,
+        backward_start=resident + casts + activations + working + logits,
+        backward_end=resident + 16 * group,  # its new weights, m and v, and its clipped gradients
+        quant=f"mlx{quant_bits}" if quant_bits else None,
+    )

@@ -259,8 +259,9 @@ def _summary_rows(n: dict) -> list[tuple[str, str]]:
 
 def _memory_text(n: dict) -> str:
     text = ("Measured: the largest `mem_bytes` of metrics.jsonl, the memory figure the backend reports "
-            "(on a GPU the allocator's peak, on the CPU the process's resident memory). Predicted: the "
-            "memory model's peak for the run's settings (`ptbr info`, `ptbr preflight`), recorded in "
+            "(torch: on a GPU the allocator's peak, on the CPU the process's resident memory; MLX: its "
+            "allocator's peak, without the interpreter around it). Predicted: the memory model's peak for "
+            "the run's settings (`ptbr info`, `ptbr preflight`) of that same figure, recorded in "
             "run_config.json when the run started.")
     if n["peak_memory"] and n["predicted_peak"]:
         text += f" Measured/predicted: {n['peak_memory'] / n['predicted_peak']:.2f}."

@@ -57,7 +57,7 @@ def test_debug_shows_the_traceback(tmp_path):
 # every command with the arguments it requires, to show that each takes --debug
 REQUIRED = {"prepare": ["--input", "x", "--output", "y"], "generate": ["--model", "m", "hello"],
             "validate-data": ["data.jsonl"], "merge": ["--base", "b", "--adapter", "a", "--output", "o"],
-            "monitor": ["run"], "report": ["run"],
+            "export-adapter": ["a", "--to", "peft", "--output", "o"], "monitor": ["run"], "report": ["run"],
             "kaggle": ["status", "BUNDLE"]}
 
 

@@ -192,7 +192,7 @@ def test_the_local_torch_wheel_matches_its_hash():
 # --- the sessions install from the locks ---------------------------------------------------------
 
 
-SESSION_NAMES = {"tests", "lint", "smoke", "preflight", "bench", "build", "image_smoke", "locks", "kaggle"}
+SESSION_NAMES = {"tests", "lint", "smoke", "preflight", "bench", "build", "image_smoke", "locks", "kaggle", "mac"}
 
 
 @pytest.fixture(scope="module")

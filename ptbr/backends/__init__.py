@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ptbr.errors import ConfigError, DeviceError
 
 if TYPE_CHECKING:
+    from ptbr.backends.world import World
     from ptbr.train.loop import TrainingStep
 
 NAMES = ("torch", "mlx")
@@ -41,6 +42,7 @@ class Backend(Protocol):
     device: str  # where it trains, as the library names it (cuda:0, cpu, gpu)
     precision: str  # fp32 | fp16 | bf16
     reason: str  # why this device and precision, for the log
+    world: World  # this run's processes: SingleProcess, or a rank of torch's data-parallel run
 
     def seed(self, seed: int) -> None:
         """Seed the library's global generator (LoRA dropout draws from it) at the start of a run."""

@@ -25,6 +25,9 @@ def processes_to_launch(settings) -> int:
     from ptbr.backends import resolve_name
 
     inside = os.environ.get("WORLD_SIZE")
+    if resolve_name(settings.backend) == "mlx":
+        refuse_parallel_mlx(settings, inside)
+        return 1
     if inside:
         if settings.num_processes not in ("auto", "1", inside):
             raise ConfigError(f"--num-processes {settings.num_processes} in a run of {inside} processes", "--num-processes",
@@ -32,14 +35,25 @@ def processes_to_launch(settings) -> int:
         return 1
     if settings.num_processes == "1":
         return 1
-    if resolve_name(settings.backend) != "torch":
-        raise ConfigError("data parallelism (--num-processes) runs on the torch backend", "--num-processes",
-                          "use --backend torch, or one process")
     if settings.num_processes == "auto":
         from ptbr.backends.torch.distributed import visible_gpus
 
         return max(1, visible_gpus())
     return int(settings.num_processes)
+
+
+def refuse_parallel_mlx(settings, inside: str | None) -> None:
+    """The MLX backend trains in one process: data parallelism and FSDP are torch's. --num-processes
+    auto means one process there (no CUDA GPUs to spread over)."""
+    problems = []
+    if settings.num_processes not in ("1", "auto"):
+        problems.append(f"--num-processes {settings.num_processes}: data parallelism runs on the torch backend")
+    if getattr(settings, "fsdp", False):
+        problems.append("--fsdp: sharding among processes runs on the torch backend")
+    if inside and inside != "1":
+        problems.append(f"started as one of {inside} processes (torchrun / accelerate launch): the MLX backend "
+                        "trains in one")
+    collect(problems, ConfigError, "--backend mlx", "train in one process with --backend mlx, or use --backend torch")
 
 
 def run_or_launch(settings, args: argparse.Namespace, run) -> int:

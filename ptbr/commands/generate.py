@@ -1,8 +1,11 @@
-"""`ptbr generate`: sample a continuation from a trained model (optionally with a LoRA adapter)."""
+"""`ptbr generate`: sample a continuation from a trained model (optionally with a LoRA adapter), on
+torch (transformers, PEFT adapters) or MLX (mlx-lm, mlx-lm adapters). An adapter in the other
+backend's format is converted on the fly (ptbr/finetune/export.py)."""
 
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from pathlib import Path
 
 from ptbr.commands import quiet_transformers
@@ -10,6 +13,7 @@ from ptbr.config import MAX_SEED
 from ptbr.errors import ConfigError, ModelError, collect
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
+from ptbr.finetune.export import adapter_as, adapter_format
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -27,47 +31,71 @@ def adapter_files(adapter: str | None) -> Path | None:
     return path
 
 
-def load_for_generation(model_dir: str, adapter: str | None, device, download: bool = False):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def check_adapter_use(model_dir: str, adapter: str | None) -> None:
+    """An adapter directory that can be applied to `model_dir` (either backend's format)."""
+    if not adapter:
+        return
+    check_adapter(adapter)
+    adapter_format(adapter)
+    if (Path(model_dir) / ADAPTER_META).is_file():
+        raise ConfigError("the model already has an adapter merged in (it holds ptbr_adapter.json): applying "
+                          "one again would count it twice", adapter,
+                          "give the merged model alone, or the base model with --adapter")
 
-    check_base(model_dir, download, what="model")
-    if adapter:
-        check_adapter(adapter)
-        if (Path(model_dir) / ADAPTER_META).is_file():
-            raise ConfigError("the model already has an adapter merged in (it holds ptbr_adapter.json): applying "
-                              "one again would count it twice", adapter,
-                              "give the merged model alone, or the base model with --adapter")
-    # an adapter written by `ptbr finetune` carries the tokenizer it was trained with (chat template included)
+
+def load_tokenizer(model_dir: str, adapter: str | None, download: bool = False):
+    """The tokenizer an adapter was trained with (ptbr saves it with the adapter, chat template
+    included), else the model's."""
+    from transformers import AutoTokenizer
+
     files = adapter_files(adapter)
     tokenizer_dir = files if files and (files / "tokenizer_config.json").is_file() else model_dir
     if not any((Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES) and Path(tokenizer_dir).exists():
         raise ModelError("no tokenizer in the model directory (a checkpoint holds only weights)", str(tokenizer_dir),
                          "give OUTPUT/final, a merged model, or a base model with its tokenizer files")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=not download)
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=not download)
+    except Exception as exc:  # noqa: BLE001 - OSError, ValueError...: all mean "cannot load"
+        raise load_error("tokenizer", str(tokenizer_dir), exc) from exc
+
+
+def load_for_generation(model_dir: str, adapter: str | None, device, download: bool = False):
+    """torch: the tokenizer and the model (with the adapter, converted to PEFT's format if it is
+    mlx-lm's) on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    check_base(model_dir, download, what="model")
+    check_adapter_use(model_dir, adapter)
+    tokenizer = load_tokenizer(model_dir, adapter, download)
+    try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=not download)
     except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, ValueError...: all mean "cannot load"
         raise load_error("model", model_dir, exc) from exc
     if adapter:
         from ptbr.finetune.merge import apply_adapter
 
-        model = apply_adapter(model, Path(adapter))
+        with ExitStack() as stack:  # PEFT copies the weights in: a converted adapter's directory may go
+            model = apply_adapter(model, Path(adapter_as(adapter, "peft", stack)))
     return tokenizer, model.to(device).eval()
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """The prompt as token ids: a user message in the chat template exactly as fine-tuning rendered
+    its examples, or plain text to continue."""
+    if chat:
+        from ptbr.finetune.data import encode_prompt
+
+        return list(encode_prompt(tokenizer, prompt, "messages"))
+    return list(tokenizer(prompt)["input_ids"])
 
 
 def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
              chat: bool = False) -> str:
-    """The continuation of `prompt`; with chat=True, the answer to `prompt` as a user message,
-    rendered with the chat template exactly as fine-tuning rendered its examples."""
+    """torch: the continuation of `prompt`; with chat=True, the answer to `prompt` as a user message."""
     import torch
 
-    if chat:
-        from ptbr.finetune.data import encode_prompt
-
-        ids = torch.tensor([encode_prompt(tokenizer, prompt, "messages")], device=model.device)
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    else:
-        inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    ids = torch.tensor([prompt_ids(tokenizer, prompt, chat)], device=model.device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sampling = temperature > 0
     options = {"do_sample": sampling, "max_new_tokens": max_new_tokens,
                "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id}
@@ -94,6 +122,23 @@ def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> 
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
+    from ptbr.backends.mlx import generate as mlx_generate
+    from ptbr.backends.mlx.device import resolve_device
+    from ptbr.backends.mlx.lora import local_model_dir
+
+    resolve_device(args.device)
+    model_dir = str(local_model_dir(args.model, args.download, "model"))
+    check_adapter_use(model_dir, args.adapter)
+    tokenizer = load_tokenizer(model_dir, args.adapter, args.download)
+    chat = is_chat_model(model_dir, args.adapter, tokenizer, args.raw)
+    weights = args.adapter and adapter_as(args.adapter, "mlx", stack)
+    model = mlx_generate.load_for_generation(Path(model_dir), Path(weights) if weights else None)
+    new = mlx_generate.generate(model, prompt_ids(tokenizer, args.prompt, chat), {tokenizer.eos_token_id},
+                                args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    return tokenizer.decode(new, skip_special_tokens=True), chat
+
+
 def main(args) -> int:
     problems = []
     if not args.prompt.strip():
@@ -108,11 +153,18 @@ def main(args) -> int:
         problems.append(f"--seed must be within [0, 2**63), got {args.seed}")
     collect(problems, ConfigError, "ptbr generate", "correct the values (see `ptbr generate --help`)")
     quiet_transformers()
-    from ptbr.backends.torch.device import resolve_device
+    from ptbr.backends import resolve_name
 
-    tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device), args.download)
-    chat = is_chat_model(args.model, args.adapter, tokenizer, args.raw)
-    text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                    chat=chat)
+    with ExitStack() as stack:
+        if resolve_name(args.backend) == "mlx":
+            text, chat = generate_mlx(args, stack)
+        else:
+            from ptbr.backends.torch.device import resolve_device
+
+            tokenizer, model = load_for_generation(args.model, args.adapter, resolve_device(args.device),
+                                                   args.download)
+            chat = is_chat_model(args.model, args.adapter, tokenizer, args.raw)
+            text = generate(tokenizer, model, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                            args.seed, chat=chat)
     print(text.strip() if chat else args.prompt + text)
     return 0

@@ -8,18 +8,21 @@ from ptbr.commands import check_preset_request
 from ptbr.config import DEFAULT_VOCAB_SIZE
 from ptbr.errors import ConfigError, DataError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16")  # torch; the MLX backend's estimate is shown as mlx-bf16
 
 
 def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, grad_accum: int,
                gradient_checkpointing: bool = False) -> dict:
     from ptbr.config import get_preset
-    from ptbr.memory import GIB, Architecture, estimate_training_memory
+    from ptbr.memory import GIB, Architecture, estimate_mlx_memory, estimate_training_memory
 
     preset = get_preset(model_size)
     arch = Architecture.from_preset(preset, vocab_size)
     estimates = {p: estimate_training_memory(arch, batch_size, seq_len, p, gradient_checkpointing).as_dict()
                  for p in PRECISIONS}
+    # --backend mlx (Apple Silicon): bf16 on Metal, fp32 master weights
+    estimates["mlx-bf16"] = estimate_mlx_memory(arch, batch_size, seq_len, "bf16",
+                                                gradient_checkpointing=gradient_checkpointing).as_dict()
     return {
         "model_size": preset.name,
         "architecture": "Llama (RMSNorm, RoPE, SwiGLU, SDPA attention)",

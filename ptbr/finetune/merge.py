@@ -1,5 +1,8 @@
 """Merging a LoRA adapter into its base: a full model that loads without peft, with the adapter's
 tokenizer (chat template included) and its ptbr_adapter.json (the data format it was trained on).
+An mlx-lm adapter (the MLX backend's) is converted to PEFT's format first (ptbr/finetune/export.py),
+so that both formats go through the one merge; where torch is not installed (a Mac with the MLX path
+only), MLX merges instead (ptbr/backends/mlx/merge.py), a PEFT adapter converted to mlx-lm's format.
 
 The base is always loaded unquantized (a QLoRA run trained on NF4 weights: its adapter is merged
 into the original weights, in the base's own dtype unless asked otherwise), on the CPU, so that a
@@ -9,6 +12,8 @@ GPU busy with training is not needed: a 7B model in bf16 takes about 15 GB of RA
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
+from importlib.util import find_spec
 from pathlib import Path
 
 from ptbr.backends.torch.lora import refuse_prequantized
@@ -16,6 +21,7 @@ from ptbr.errors import ConfigError, ModelError
 from ptbr.files import write_directory
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, check_merge_output, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
+from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
@@ -23,15 +29,19 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str = "auto",
                   trust_remote_code: bool = False, download: bool = False) -> Path:
-    """Write base + adapter, merged, to `output` (written aside, then renamed into place)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Write base + adapter, merged, to `output` (written aside, then renamed into place). With
+    torch installed PEFT merges (either format); without it, MLX does (ptbr/backends/mlx/merge.py)."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}", "--dtype", f"use one of: {', '.join(DTYPES)}")
     adapter = check_adapter(adapter)
+    adapter_format(adapter)  # PEFT's or mlx-lm's weights with their config, else a ModelError naming the file
     output = check_merge_output(output, base, adapter)
     check_base(base, download)
+    if find_spec("torch") is None and find_spec("mlx") is not None:
+        return _merge_with_mlx(base, adapter, output, dtype, trust_remote_code, download)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     refuse_prequantized(base)
     torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     try:
@@ -42,7 +52,8 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
                                                   local_files_only=not download)
     except Exception as exc:  # noqa: BLE001
         raise load_error("base model", base, exc) from exc
-    merged = apply_adapter(model, adapter).merge_and_unload()
+    with ExitStack() as stack:  # an mlx-lm adapter is merged through its PEFT conversion
+        merged = apply_adapter(model, Path(adapter_as(adapter, "peft", stack))).merge_and_unload()
 
     meta = read_adapter_meta(adapter)
 
@@ -71,3 +82,30 @@ def apply_adapter(model, adapter: Path):
                              "give the base model the adapter was trained on (its ptbr_adapter.json names it)") from exc
         raise ModelError(f"the adapter cannot be loaded: {reason}", str(adapter),
                          "check that the adapter directory is complete and uncorrupted (OUTPUT/adapters)") from exc
+
+
+def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_remote_code: bool,
+                    download: bool) -> Path:
+    from transformers import AutoTokenizer
+
+    from ptbr.backends.mlx.merge import merge_into
+
+    tokenizer_dir = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code,
+                                                  local_files_only=not download)
+    except Exception as exc:  # noqa: BLE001
+        raise load_error("tokenizer", str(tokenizer_dir), exc) from exc
+    meta = read_adapter_meta(adapter)
+    merged = {}
+
+    def fill(tmp: Path) -> None:
+        with ExitStack() as stack:
+            merged["dtype"] = merge_into(base, Path(adapter_as(adapter, "mlx", stack)), tmp, dtype, download)
+        tokenizer.save_pretrained(str(tmp))
+        if meta:
+            (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+    write_directory(output, fill, "the merged model")
+    log(f"merged {adapter} into {base} with MLX: full model ({merged['dtype']}) in {output}")
+    return output

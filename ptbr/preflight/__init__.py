@@ -69,7 +69,7 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     `given`: the settings the user set, kept in recommended_config.json (None: all of them)."""
     mode = mode_of(settings)
     hardware = hardware or probe_hardware()
-    target = choose_target(hardware, mode, settings.device)
+    target = choose_target(hardware, mode, settings.device, settings.backend)
     checks = check_hardware(hardware, settings.device)
     arch, max_positions, examples, longest, sizes = None, None, None, None, {}
 

@@ -87,14 +87,16 @@ MINIMUM = {"torch": "2.4", "transformers": "4.46", "tokenizers": "0.20", "accele
 
 
 def check_mlx_backend() -> list[Check]:
-    """Fine-tuning on Apple Silicon is planned for MLX (4-bit); say so while ptbr has no MLX path."""
+    """On Apple Silicon the plan is for the MLX backend (`--backend mlx`, auto's choice there): say
+    whether this environment can run it."""
     from importlib.util import find_spec
 
-    if find_spec("ptbr.mlx") is not None:
-        return [Check("backend.mlx", PASS, True, "fine-tuning runs on MLX (4-bit base, LoRA adapters)")]
-    return [Check("backend.mlx", WARN, False, "the plan is for MLX's 4-bit base, but this ptbr has no MLX path yet: "
-                  "`ptbr finetune` runs on MPS, where bitsandbytes' 4/8-bit does not",
-                  "use --quant none if a 16-bit base fits (see memory.*), or fine-tune on a CUDA GPU")]
+    if find_spec("mlx") is not None and find_spec("mlx_lm") is not None:
+        return [Check("backend.mlx", PASS, True, "runs on MLX (--backend mlx): the Metal GPU, MLX's 4-bit base for "
+                      "--quant 4bit, LoRA adapters in mlx-lm's format")]
+    return [Check("backend.mlx", WARN, False, "the plan is for the MLX backend, and mlx or mlx-lm is not installed: "
+                  "ptbr would run on torch (MPS), where bitsandbytes' 4/8-bit does not",
+                  "pip install 'ptbr[mlx]'")]
 
 
 def needed_packages(mode: str, target: str, quant: str | None) -> list[str]:

@@ -71,11 +71,13 @@ def seq_key(mode: str) -> str:
     return "seq_len" if mode == "pretrain" else "max_seq_len"
 
 
-def choose_target(hardware: Hardware, mode: str, device: str) -> str:
+def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "auto") -> str:
+    """On Apple Silicon both modes plan for the MLX backend (what --backend auto runs there), unless
+    --backend torch asks for MPS."""
     if device == "cuda" or (device == "auto" and hardware.gpus):
         return "cuda"
     if device == "mps" or (device == "auto" and hardware.apple_silicon):
-        return "mlx" if mode == "finetune" else "mps"
+        return "mps" if backend == "torch" else "mlx"
     return "cpu"
 
 
@@ -135,7 +137,7 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
     reasons: list[str] = []
     mode = mode_of(requested)
     key = seq_key(mode)
-    target = choose_target(hardware, mode, requested.device)
+    target = choose_target(hardware, mode, requested.device, requested.backend)
     precision = choose_precision(hardware, target, requested.precision, reasons)
     budget = memory_budget(hardware, target, reasons)
     processes = plan_processes(hardware, target, requested, reasons)

@@ -319,8 +319,11 @@ def predicted_peak_bytes(settings, arch: Architecture, backend, batch_size: int,
     data-parallel run), recorded in run_config.json so that `ptbr monitor` and `ptbr report` can
     set the measured memory (the main rank's) against it."""
     target = "mlx" if backend.name == "mlx" else backend.device.split(":")[0]
-    return estimate_run(settings, arch, target, batch_size, seq_len, backend.precision,
-                        settings.gradient_checkpointing, backend.world.size).total
+    predicted = estimate_run(settings, arch, target, batch_size, seq_len, backend.precision,
+                             settings.gradient_checkpointing, backend.world.size)
+    # set against what the backend measures: MLX's allocator peak holds the tensors, not the
+    # interpreter and libraries around them (the runtime a plan adds, as RSS on CPU includes it)
+    return predicted.total - (predicted.overhead if backend.name == "mlx" else 0)
 
 
 def write_run_config(run_dir: Path, command: str, settings, backend, resume: Resume, extra: dict) -> None:

@@ -279,7 +279,8 @@ def _auto_fit(settings: FinetuneConfig, backend, adapted, examples: list, pad_id
 
     too_big = None
     if backend.device == "cpu":
-        too_big = _lora_ram_guard(adapted, settings, len(longest_first[0].ids) - 1, backend.precision)
+        target = "mlx" if backend.name == "mlx" else "cpu"  # the memory model of the backend that runs
+        too_big = _lora_ram_guard(adapted, settings, len(longest_first[0].ids) - 1, backend.precision, target)
     try:
         choice = auto_fit(backend, make_step, longest_batch, settings.batch_size, settings.grad_accum, too_big)
     finally:
@@ -287,7 +288,7 @@ def _auto_fit(settings: FinetuneConfig, backend, adapted, examples: list, pad_id
     return dataclasses.replace(settings, batch_size=choice.batch_size, grad_accum=choice.grad_accum)
 
 
-def _lora_ram_guard(adapted, settings: FinetuneConfig, seq_len: int, precision: str):
+def _lora_ram_guard(adapted, settings: FinetuneConfig, seq_len: int, precision: str, target: str = "cpu"):
     """On CPU, where the base is already loaded: only what a step adds must fit in the free RAM."""
     from ptbr.memory import Architecture, estimate_run
 
@@ -298,7 +299,7 @@ def _lora_ram_guard(adapted, settings: FinetuneConfig, seq_len: int, precision: 
         return None
 
     def step_bytes(batch_size: int) -> int:
-        predicted = estimate_run(settings, arch, "cpu", batch_size, seq_len, precision,
+        predicted = estimate_run(settings, arch, target, batch_size, seq_len, precision,
                                  settings.gradient_checkpointing)
         return predicted.total - predicted.weights - predicted.overhead  # those are in RAM already
 

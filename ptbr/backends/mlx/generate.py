@@ -1,0 +1,49 @@
+"""Text generation on MLX (mlx-lm's generate_step), with an mlx-lm adapter applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ptbr.errors import ModelError
+
+
+def load_for_generation(model_dir: Path, adapter: Path | None):
+    """The model of `model_dir` (a checked local directory) with the mlx-lm adapter in `adapter`."""
+    from mlx_lm.utils import load_adapters, load_model
+
+    from ptbr.backends.mlx.lora import rope_settings
+    from ptbr.finetune.base import read_config
+
+    try:
+        model, _ = load_model(model_dir, model_config=rope_settings(read_config(str(model_dir)) or {}))
+    except Exception as exc:  # noqa: BLE001 - unknown architecture, missing or mismatched weights
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load the model with mlx-lm: {reason}", str(model_dir),
+                         "give a Hugging Face model directory with safetensors weights (OUTPUT/final)") from exc
+    if adapter is not None:
+        try:
+            load_adapters(model, str(adapter))
+        except Exception as exc:  # noqa: BLE001 - a shape or name mismatch: the adapter is for another base
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelError(f"the adapter does not fit this model: {reason}", str(adapter),
+                             "give the --model the adapter was trained on") from exc
+    model.eval()
+    return model
+
+
+def generate(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: int, temperature: float, top_k: int,
+             seed: int) -> list[int]:
+    """The new token ids after `prompt_ids`: greedy at temperature 0, else sampled among the top k."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=temperature, top_k=top_k if temperature > 0 else 0)
+    tokens = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_new_tokens, sampler=sampler):
+        token = int(token)
+        if token in eos_ids:
+            break
+        tokens.append(token)
+    return tokens

@@ -66,7 +66,7 @@ def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
     refuse_auto_fit_in_parallel(settings, backend.world)
     with open_run(settings, backend.world) as run_dir:
         with Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
-                      backend.world.rank) as watchdog:
+                      backend.world.rank, backend.world.size) as watchdog:
             loaded = _load(settings, backend, run_dir)
             if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
                 result = resume_smaller_on_oom(backend, lambda s: _train(s, backend, loaded, run_dir, watchdog),

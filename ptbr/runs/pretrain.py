@@ -46,7 +46,7 @@ def run_pretrain(settings: PretrainConfig) -> dict:
     refuse_auto_fit_in_parallel(settings, backend.world)
     with open_run(settings, backend.world) as run_dir, \
             Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
-                     backend.world.rank) as watchdog:
+                     backend.world.rank, backend.world.size) as watchdog:
         if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
             return resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog), settings, run_dir)
         with out_of_memory_is_an_error(backend):

@@ -25,12 +25,12 @@ AFTER_FIRST_STEP_MIN_S = 300.0
 
 class Watchdog:
     def __init__(self, run_dir: Path, timeout_s: float | None, action: str = "exit",
-                 memory_report: Callable[[], str] | None = None, rank: int = 0):
+                 memory_report: Callable[[], str] | None = None, rank: int = 0, ranks: int = 1):
         """memory_report: the backend's description of the memory in use, for the hang report.
-        rank: in a data-parallel run, each rank watches itself and writes hang_report.rankN.txt."""
+        rank, ranks: in a data-parallel run, each rank watches itself and writes hang_report.rankN.txt."""
         self.run_dir, self.configured, self.action = run_dir, timeout_s, action
         self.memory_report = memory_report
-        self.rank = rank
+        self.rank, self.ranks = rank, ranks
         self.limit = timeout_s if timeout_s is not None else BEFORE_FIRST_STEP_S
         self.last_beat = time.monotonic()
         self.phase = "starting (before the first step)"
@@ -69,6 +69,11 @@ class Watchdog:
                 self.reported = True
                 self._report(waited)
                 if self.action == "exit":
+                    if self.ranks > 1:
+                        # The stuck rank and the ones waiting for it in a collective lost their last
+                        # step together, so their watchdogs fire within moments of each other; the
+                        # launcher kills every rank once one exits, so wait for the others' reports.
+                        time.sleep(peer_grace(self.limit))
                     os._exit(EXIT_HANG)  # the main thread is stuck: only the process can end it
 
     def _report(self, waited: float) -> None:
@@ -99,6 +104,12 @@ class Watchdog:
             return f"process RSS {psutil.Process().memory_info().rss:,} B"
         except Exception as exc:  # noqa: BLE001 - a report must not fail for want of a number
             return f"unknown ({exc})"
+
+
+def peer_grace(limit: float) -> float:
+    """How long a rank whose watchdog fired waits before exiting, so that the other ranks' watchdogs
+    write their reports too."""
+    return max(5.0, min(60.0, limit / 4))
 
 
 def format_seconds(value: float) -> str:

@@ -144,15 +144,20 @@ def preflight(session: nox.Session) -> None:
 
 @nox.session(python=LOCK_PYTHON, default=False)
 def bench(session: nox.Session) -> None:
-    """The memory model's predicted peaks against measured ones (the README's accuracy tables):
-    pretraining, then LoRA/QLoRA.
+    """Speed side by side (benchmarks/speed.py, the README's performance table): ptbr against the
+    Hugging Face Trainer, PEFT, a plain PyTorch loop and tokenizers, about 30 minutes on 2 CPU cores.
 
-    The CPU grids take about 15 minutes on 2 cores; on a GPU machine, `-- --device cuda` (the
-    environment then installs locks/cuda.txt, PyPI's CUDA build of torch)."""
+    `-- --memory`: the memory model's predicted peaks against measured ones instead (the README's
+    accuracy tables: pretraining, then LoRA/QLoRA; about 15 minutes). On a GPU machine,
+    `-- --device cuda` (the environment then installs locks/cuda.txt, PyPI's CUDA build of torch)."""
     cuda = "cuda" in session.posargs or "--device=cuda" in session.posargs
     install_locked(session, lock_for(session, "cuda" if cuda else "run"))
-    session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
-    session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *session.posargs)
+    posargs = [arg for arg in session.posargs if arg != "--memory"]
+    if "--memory" not in session.posargs:
+        session.run("python", "benchmarks/speed.py", *posargs)
+        return
+    session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *posargs)
+    session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *posargs)
 
 
 # --- container images (docker/build.py holds the logic; see docker/README.md) -------------------

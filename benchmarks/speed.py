@@ -98,7 +98,7 @@ def summary(run: dict) -> str:
 
 def paired_ratio(ours: list[float], theirs: list[float]) -> float:
     """The median over rounds of theirs/ours (a time: above 1, ptbr took less)."""
-    return statistics.median(t / o for o, t in zip(ours, theirs))
+    return statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
 
 
 def row(section: str, name: str, metric: str, unit: str, reference: str, reference_value: float, ptbr_value: float,

@@ -302,7 +302,9 @@ def number(value: float, unit: str) -> str:
 
 def markdown(result: dict) -> str:
     """The README's table: one line per row, ratios > 1 meaning ptbr is ahead, then the commands."""
-    lines = [f"Measured on {result['conditions']['machine']} ({result['conditions']['when']}); "
+    load = result["conditions"].get("load_average")
+    busy = f", load average {load[0]:.1f} at the start" if load else ""
+    lines = [f"Measured on {result['conditions']['machine']} ({result['conditions']['when']}{busy}); "
              f"{result['conditions']['method']}", "",
              "| Benchmark | Metric | Reference | Reference | ptbr | ptbr advantage |",
              "|---|---|---|---:|---:|---:|"]
@@ -311,13 +313,24 @@ def markdown(result: dict) -> str:
         if "mfu_ptbr" in r:
             theirs, ours = f"{theirs} (MFU {100 * r['mfu_reference']:.0f}%)", f"{ours} (MFU {100 * r['mfu_ptbr']:.0f}%)"
         lines.append(f"| {r['name']} | {r['metric']} | {r['reference']} | {theirs} | {ours} | {r['ratio']:.2f}x |")
-    lines += ["", "Reproduce: `" + result["conditions"]["command"] + "`; ptbr's side of each row:", ""]
+    benchmarks = list(dict.fromkeys(r.get("benchmark_command", result["conditions"]["command"]) for r in result["rows"]))
+    lines += ["", "Reproduce: " + "; ".join(f"`{b}`" for b in benchmarks) + ". ptbr's side of each row:", ""]
     seen = []
     for r in result["rows"]:
         if r["command"] not in seen:
             seen.append(r["command"])
             lines.append(f"- {r['name']}: `{r['command']}`")
     return "\n".join(lines) + "\n"
+
+
+def kept_rows(path: Path, new_rows: list[dict]) -> list[dict]:
+    """The rows of an earlier run (e.g. `--only pretrain --sizes 85m` run apart) that this run did
+    not measure again: a part of the table can be rerun without the rest."""
+    if not path.is_file():
+        return []
+    replaced = {(r["section"], r["name"], r["metric"], r["reference"]) for r in new_rows}
+    return [r for r in json.loads(path.read_text())["rows"]
+            if (r["section"], r["name"], r["metric"], r["reference"]) not in replaced and r["section"] != "mlx"]
 
 
 def conditions(args) -> dict:
@@ -360,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     stem = f"speed_{args.device}" + ("_quick" if args.quick else "")
+    for measured in result["rows"]:
+        measured["benchmark_command"] = result["conditions"]["command"]
+    result["rows"] = kept_rows(output / f"{stem}.json", result["rows"]) + result["rows"]
     (output / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)
     (output / f"{stem}.md").write_text(table)

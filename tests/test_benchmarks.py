@@ -36,7 +36,7 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
         ("finetune", "peak resident memory", "transformers + PEFT Trainer"),
         ("data", "MB/s", "tokenizers directly"),
     } <= found
-    assert any(row["name"] == "`ptbr --help` start-up" for row in result["rows"])
+    assert any(row["name"] == "`ptbr --help` start-up" for row in result["rows"] if row["section"] != "mlx")
     assert len([r for r in result["rows"] if r["section"] == "finetune"]) == 4  # LoRA and QLoRA, speed and memory
     for row in result["rows"]:
         for key in ("reference_value", "ptbr_value", "ratio"):
@@ -45,6 +45,8 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     table = (tmp_path / "speed_cpu_quick.md").read_text()
     assert table.count("\n| ") == len(result["rows"]) + 1  # the header, then one line per row
     assert "Reproduce: `python benchmarks/speed.py --quick" in table
+    measured = [row for row in result["rows"] if row["section"] != "mlx"]  # MLX rows come from their own files
+    assert all(row["benchmark_command"].startswith("python benchmarks/speed.py --quick") for row in measured)
 
 
 def test_mlx_results_join_the_table(tmp_path):

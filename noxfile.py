@@ -178,19 +178,26 @@ def preflight(session: nox.Session) -> None:
 
 @nox.session(python=LOCK_PYTHON, default=False)
 def bench(session: nox.Session) -> None:
-    """The memory model's predicted peaks against measured ones (the README's accuracy tables):
-    pretraining, then LoRA/QLoRA; on Apple Silicon also the MLX estimate and ptbr's MLX LoRA
-    speed against mlx_lm.lora (benchmarks/mlx_*.py).
+    """Speed side by side (benchmarks/speed.py, the README's performance table): ptbr against the
+    Hugging Face Trainer, PEFT, a plain PyTorch loop and tokenizers, about 30 minutes on 2 CPU cores;
+    on Apple Silicon also ptbr's MLX LoRA against mlx_lm.lora (benchmarks/mlx_lora_speed.py).
 
-    The CPU grids take about 15 minutes on 2 cores; on a GPU machine, `-- --device cuda` (the
-    environment then installs locks/cuda.txt, PyPI's CUDA build of torch)."""
+    `-- --memory`: the memory model's predicted peaks against measured ones instead (the README's
+    accuracy tables: pretraining, then LoRA/QLoRA; about 15 minutes). On a GPU machine,
+    `-- --device cuda` (the environment then installs locks/cuda.txt, PyPI's CUDA build of torch)."""
     cuda = "cuda" in session.posargs or "--device=cuda" in session.posargs
     install_locked(session, lock_for(session, "cuda" if cuda else "run"))
-    session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *session.posargs)
-    session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *session.posargs)
-    if (platform.system(), platform.machine()) == ("Darwin", "arm64"):  # MLX is in the run lock there
+    posargs = [arg for arg in session.posargs if arg != "--memory"]
+    on_mac = (platform.system(), platform.machine()) == ("Darwin", "arm64")  # MLX is in the run lock there
+    if "--memory" not in session.posargs:
+        if on_mac:
+            session.run("python", "benchmarks/mlx_lora_speed.py", "--json", "benchmarks/results/mlx_lora_speed_metal.json")
+        session.run("python", "benchmarks/speed.py", *posargs)
+        return
+    session.run("python", "benchmarks/memory_accuracy.py", "--markdown", *posargs)
+    session.run("python", "benchmarks/lora_memory_accuracy.py", "--markdown", *posargs)
+    if on_mac:
         session.run("python", "benchmarks/mlx_memory_accuracy.py", "--markdown")
-        session.run("python", "benchmarks/mlx_lora_speed.py", "--json", "benchmarks/results/mlx_lora_speed_metal.json")
 
 
 @nox.session(python=LOCK_PYTHON, default=False)

@@ -67,10 +67,10 @@ def measure(point: dict) -> dict:
     import numpy as np
     import torch
 
-    from ptbr.config import FinetuneConfig
-    from ptbr.backends.torch.lora import load_model
     from ptbr.backends.torch.device import resolve_device, resolve_precision
+    from ptbr.backends.torch.lora import load_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.config import FinetuneConfig
 
     placement = resolve_precision(resolve_device(point["device"]), point["precision"])
     cuda = placement.device.type == "cuda"

@@ -80,10 +80,10 @@ def measure(point: dict) -> dict:
     import numpy as np
     import torch
 
-    from ptbr.config import LoopSettings, ModelPreset, get_preset
-    from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.device import resolve_device, resolve_precision
+    from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.config import LoopSettings, ModelPreset, get_preset
     from ptbr.data.batch import windows_to_batch
 
     placement = resolve_precision(resolve_device(point["device"]), point["precision"])

@@ -45,10 +45,13 @@ class TorchStep:
         self.exported: dict | None = None  # FSDP: the whole weights of the last checkpoint (main rank)
 
     def _to_device(self, batch: Batch) -> dict:
+        """On a GPU the copy is queued from pinned memory, so that it runs while the GPU computes."""
         import torch
 
-        return {k: torch.as_tensor(v, dtype=torch.long).to(self.placement.device, non_blocking=True)
-                for k, v in batch.items()}
+        pin = self.placement.device.type == "cuda"
+        tensors = {k: torch.as_tensor(v, dtype=torch.long) for k, v in batch.items()}
+        return {k: (t.pin_memory() if pin else t).to(self.placement.device, non_blocking=True)
+                for k, t in tensors.items()}
 
     def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch."""
@@ -84,16 +87,21 @@ class TorchStep:
         # DDP and FSDP average the ranks' gradients: each rank's sum over its tokens, times the
         # world size, divided by the step's tokens, averages to the single-process gradient
         total = torch.zeros((), device=self.placement.device)
-        for index, batch in enumerate(micro_batches):
+        # every micro-batch's copy queued up front: on a GPU they travel while the first computes
+        on_device = [self._to_device(batch) for batch in micro_batches]
+        for index, batch in enumerate(on_device):
             with self._sync_gradients(index == len(micro_batches) - 1):
-                loss_sum = self._loss_sum(module, self._to_device(batch))
+                loss_sum = self._loss_sum(module, batch)
                 self.scaler.scale(loss_sum * self.world.size / targets).backward()
             total += loss_sum.detach()
-        loss_sum = total.item() if self.world.size == 1 else self.world.sum([total.item()])[0]
-        loss = loss_sum / targets
         self.scaler.unscale_(self.optimizer)
         clip = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
-        grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(self.params, clip)))
+        norm = _full(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        # the step's one wait for the device: the loss and the norm come back together
+        loss_sum, grad_norm = torch.stack([total, norm.to(total.dtype)]).tolist()
+        if self.world.size > 1:
+            loss_sum = self.world.sum([loss_sum])[0]
+        loss = loss_sum / targets
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         skipped = not math.isfinite(loss) or not math.isfinite(grad_norm)

@@ -1,0 +1,387 @@
+"""Is ptbr faster than what its users would run instead? Side by side, in one run on one machine
+(a benchmark, not a test: nothing here asserts a ratio).
+
+    python benchmarks/speed.py                      # CPU: every section, ~20 min on 2 busy cores
+    python benchmarks/speed.py --device cuda        # a GPU: also 400m, with MFU
+    python benchmarks/speed.py --only pretrain --sizes tiny --rounds 5
+    python benchmarks/speed.py --quick              # seconds per contender: checks that it works (CI)
+
+Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead):
+  pretrain  tokens/s of `ptbr train` against transformers' Trainer and a minimal PyTorch loop on
+            the same LlamaForCausalLM, token windows, batch, sequence length, precision and AdamW
+            (fused), for tiny and 85m (and 400m on a GPU, with MFU); and from those same runs, the
+            time from the command to its first completed step.
+  finetune  LoRA and QLoRA tokens/s and peak memory of `ptbr finetune` against transformers +
+            PEFT's Trainer on the same random Mistral-shaped base and plain-text data.
+  startup   `ptbr --help` against `transformers --help`.
+  data      MB/s of text to tokens: ptbr prepare (with an existing tokenizer) against the same
+            documents through `tokenizers` directly.
+  MLX rows: any benchmarks/results/mlx_lora_speed_*.json (benchmarks/mlx_lora_speed.py, run on a
+            Mac) join the table.
+
+Every contender runs in its own fresh process; the contenders of a row alternate, round after
+round, and each gives the median of its timed steps (the first steps are not timed: allocator and
+kernels warming up). A row's ratio is the median over rounds of the ratio within a round, so that
+the load of a shared machine, which drifts, cancels as far as it can.
+
+Writes benchmarks/results/speed_DEVICE.json (every run's numbers) and speed_DEVICE.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+WORKERS = Path(__file__).resolve().parent / "speed_workers.py"
+RESULTS = Path(__file__).resolve().parent / "results"
+FIRST_STEP_MARKERS = ("FIRST_STEP", "first step done")
+
+# (size, batch_size, seq_len) per device; --quick runs the first CPU one with a few steps
+PRETRAIN_SHAPES = {
+    "cpu": [("tiny", 8, 256), ("85m", 2, 256)],
+    "cuda": [("tiny", 8, 256), ("85m", 16, 1024), ("400m", 8, 1024)],
+}
+# dense bf16/fp16 tensor-core peaks (FLOP/s), by a word of torch.cuda.get_device_name()
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12,
+                  "A10": 125e12, "V100": 125e12, "T4": 65e12, "P100": 19e12}
+
+
+def run_worker(kind: str, spec: dict) -> dict:
+    """A contender in a fresh process: its RESULT, plus the seconds from its start to its first
+    completed step (as its first-step line arrives) and to its exit."""
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, str(WORKERS), kind, json.dumps(spec)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false"))
+    first_step, result, lines = None, None, []
+    for line in process.stdout:
+        lines.append(line)
+        if first_step is None and any(marker in line for marker in FIRST_STEP_MARKERS):
+            first_step = time.perf_counter() - started
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+    process.wait()
+    if process.returncode or result is None:
+        raise RuntimeError(f"{kind} failed (exit {process.returncode}):\n{''.join(lines[-40:])}")
+    return result | {"first_step_s": first_step, "wall_s": time.perf_counter() - started}
+
+
+def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int) -> dict[str, list[dict]]:
+    """Every contender once per round, in a rotating order, so that none always runs first."""
+    runs: dict[str, list[dict]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for round_index in range(rounds):
+        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+            kind, spec = contenders[name]
+            spec = dict(spec, output=str(Path(spec["output"]) / f"{name}-{round_index}"))
+            runs[name].append(run_worker(kind, spec))
+            print(f"  {name} round {round_index + 1}: {summary(runs[name][-1])}", flush=True)
+    return runs
+
+
+def summary(run: dict) -> str:
+    if "step_s" in run:
+        return f"median step {statistics.median(run['step_s']):.3f} s, first step after {run['first_step_s']:.1f} s"
+    return f"{run['seconds']:.2f} s"
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median over rounds of theirs/ours (a time: above 1, ptbr took less)."""
+    return statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
+
+
+def row(section: str, name: str, metric: str, unit: str, reference: str, reference_value: float, ptbr_value: float,
+        ratio: float, command: str, **extra) -> dict:
+    return {"section": section, "name": name, "metric": metric, "unit": unit, "reference": reference,
+            "reference_value": reference_value, "ptbr_value": ptbr_value, "ratio": ratio, "command": command,
+            **extra}
+
+
+# ---- sections ---------------------------------------------------------------------------------
+
+
+def flops_per_token(size: str, vocab_size: int, seq_len: int) -> float:
+    """6N (forward and backward through every weight, the tied output layer included) plus the
+    attention's scores and weighted values: 12 x layers x hidden x seq_len (PaLM's appendix B)."""
+    from ptbr.config import get_preset
+
+    preset = get_preset(size)
+    return 6 * preset.param_count(vocab_size) + 12 * preset.num_layers * preset.hidden_size * seq_len
+
+
+def gpu_peak_flops() -> tuple[str, float | None]:
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return name, next((peak for word, peak in GPU_PEAK_FLOPS.items() if word in name), None)
+
+
+def pretrain_section(args, work: Path) -> list[dict]:
+    from ptbr.data import SAMPLE_DIR
+    from ptbr.data.tokens import open_dataset
+
+    vocab = open_dataset(SAMPLE_DIR, None).vocab_size
+    shapes = PRETRAIN_SHAPES[args.device]
+    if args.sizes:
+        shapes = [s for s in shapes if s[0] in args.sizes]
+    if args.quick:
+        shapes = [("tiny", 2, 32)]
+    precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    rows = []
+    for size, batch_size, seq_len in shapes:
+        spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
+                "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / size)}
+        print(f"pretraining {size}: batch {batch_size} x seq_len {seq_len}, {precision}, {args.device}", flush=True)
+        runs = interleaved({"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
+                            "plain_loop": ("plain-pretrain", spec)}, args.rounds)
+        tokens = batch_size * seq_len
+        step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
+        command = (f"ptbr train --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
+                   f"--device {args.device} --precision {precision}")
+        extra = {}
+        if args.device == "cuda":
+            device_name, peak = gpu_peak_flops()
+            if peak is not None and precision in ("bf16", "fp16"):
+                per_token = flops_per_token(size, vocab, seq_len)
+                extra = {"device_name": device_name, "peak_flops": peak,
+                         "mfu": {name: per_token * tokens / statistics.median(s) / peak for name, s in step.items()}}
+        for reference, label in (("hf_trainer", "HF Trainer"), ("plain_loop", "plain PyTorch loop")):
+            rows.append(row("pretrain", f"pretrain {size} (batch {batch_size} x {seq_len}, {precision})",
+                            "tokens/s", "tokens/s", label, tokens / statistics.median(step[reference]),
+                            tokens / statistics.median(step["ptbr"]), paired_ratio(step["ptbr"], step[reference]),
+                            command, runs={k: runs[k] for k in ("ptbr", reference)},
+                            **({"device_name": extra["device_name"], "mfu_ptbr": extra["mfu"]["ptbr"],
+                                "mfu_reference": extra["mfu"][reference]} if extra else {})))
+        if size == "tiny":
+            first = {name: [r["first_step_s"] for r in rs] for name, rs in runs.items()}
+            rows.append(row("startup", f"command to first step, pretrain {size}", "seconds", "s", "HF Trainer",
+                            statistics.median(first["hf_trainer"]), statistics.median(first["ptbr"]),
+                            paired_ratio(first["ptbr"], first["hf_trainer"]), command))
+    return rows
+
+
+def make_finetune_base(directory: Path, quick: bool) -> None:
+    """A random Mistral-shaped base (grouped-query attention, SwiGLU) with the bundled tokenizer."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from ptbr.data import SAMPLE_DIR
+    from ptbr.data.tokenizer import load_tokenizer, save_for_transformers
+
+    vocab = load_tokenizer(SAMPLE_DIR / "tokenizer.json").get_vocab_size()
+    hidden, layers = (64, 2) if quick else (256, 4)
+    config = MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(3.5 * hidden),
+                           num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=2,
+                           max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=0, pad_token_id=1,
+                           bos_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        MistralForCausalLM(config).save_pretrained(str(directory))
+    save_for_transformers(SAMPLE_DIR / "tokenizer.json", directory)
+
+
+def make_finetune_data(path: Path, examples: int, words: int) -> float:
+    """Plain-text examples cut from the bundled sample; returns their mean length in tokens."""
+    from ptbr.data import SAMPLE_DIR
+    from ptbr.data.tokenizer import load_tokenizer
+
+    text = (SAMPLE_DIR / "sample_ptbr.txt").read_text(encoding="utf-8").split()
+    rows = [" ".join(text[(i * words) % (len(text) - words):][:words]) for i in range(examples)]
+    path.write_text("".join(json.dumps({"text": r}, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tokenizer = load_tokenizer(SAMPLE_DIR / "tokenizer.json")
+    return statistics.mean(len(e.ids) for e in tokenizer.encode_batch(rows))
+
+
+def finetune_section(args, work: Path) -> list[dict]:
+    base, data = work / "base", work / "train.jsonl"
+    base.mkdir(parents=True, exist_ok=True)
+    make_finetune_base(base, args.quick)
+    batch_size, words, max_seq_len = (2, 20, 64) if args.quick else (4, 120, 512)
+    mean_tokens = make_finetune_data(data, batch_size * (args.warmup + args.steps + 1), words)
+    precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    rows = []
+    for quant, label in (("none", "LoRA"), ("4bit", "QLoRA 4-bit")):
+        spec = {"base": str(base), "data": str(data), "quant": quant, "rank": 16, "batch_size": batch_size,
+                "max_seq_len": max_seq_len, "device": args.device, "precision": precision, "warmup": args.warmup,
+                "steps": args.steps, "output": str(work / quant)}
+        print(f"fine-tuning, {label}: batch {batch_size}, ~{mean_tokens:.0f} tokens per example", flush=True)
+        runs = interleaved({"ptbr": ("ptbr-finetune", spec), "hf_peft": ("hf-finetune", spec)}, args.rounds)
+        step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
+        memory = {name: [r["peak_memory_bytes"] for r in rs] for name, rs in runs.items()}
+        tokens = batch_size * mean_tokens
+        command = (f"ptbr finetune --base BASE --data train.jsonl --quant {quant} --lora-r 16 "
+                   f"--batch-size {batch_size} --device {args.device} --precision {precision}")
+        name = f"{label} fine-tuning (Mistral-shaped, batch {batch_size}, {precision})"
+        rows.append(row("finetune", name, "tokens/s", "tokens/s", "transformers + PEFT Trainer",
+                        tokens / statistics.median(step["hf_peft"]), tokens / statistics.median(step["ptbr"]),
+                        paired_ratio(step["ptbr"], step["hf_peft"]), command, runs=runs))
+        what = "peak GPU memory" if args.device == "cuda" else "peak resident memory"
+        rows.append(row("finetune", name, what, "MB", "transformers + PEFT Trainer",
+                        statistics.median(memory["hf_peft"]) / 1e6, statistics.median(memory["ptbr"]) / 1e6,
+                        paired_ratio(memory["ptbr"], memory["hf_peft"]), command))
+    return rows
+
+
+def timed_command(command: list[str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def startup_section(args, work: Path) -> list[dict]:
+    ours = [sys.executable, "-m", "ptbr", "--help"]
+    transformers_cli = shutil.which("transformers", path=str(Path(sys.executable).parent))
+    theirs, label = ([transformers_cli, "--help"], "transformers --help") if transformers_cli else (
+        [sys.executable, "-c", "import torch"], "python -c 'import torch'")
+    times: dict[str, list[float]] = {"ptbr": [], "reference": []}
+    for _ in range(2 if args.quick else 7):
+        times["ptbr"].append(timed_command(ours))
+        times["reference"].append(timed_command(theirs))
+    print(f"  ptbr --help: median {statistics.median(times['ptbr']):.3f} s; {label}: "
+          f"{statistics.median(times['reference']):.3f} s", flush=True)
+    return [row("startup", "`ptbr --help` start-up", "seconds", "s", label, statistics.median(times["reference"]),
+                statistics.median(times["ptbr"]), paired_ratio(times["ptbr"], times["reference"]), "ptbr --help")]
+
+
+def data_section(args, work: Path) -> list[dict]:
+    from ptbr.data import SAMPLE_DIR
+
+    sample = (SAMPLE_DIR / "sample_ptbr.txt").read_text(encoding="utf-8")
+    target = 200_000 if args.quick else args.data_mb * 1_000_000
+    text = (sample.rstrip() + "\n\n") * max(1, target // len(sample.encode("utf-8")))
+    corpus = work / "corpus.txt"
+    corpus.write_text(text, encoding="utf-8")
+    megabytes = corpus.stat().st_size / 1e6
+    spec = {"input": str(corpus), "tokenizer": str(SAMPLE_DIR / "tokenizer.json"), "output": str(work / "out")}
+    print(f"data preparation: {megabytes:.1f} MB of text", flush=True)
+    runs = interleaved({"ptbr": ("ptbr-prepare", spec), "tokenizers": ("tokenizers-prepare", spec)}, args.rounds)
+    seconds = {name: [r["seconds"] for r in rs] for name, rs in runs.items()}
+    return [row("data", f"text to tokens ({megabytes:.0f} MB, bundled tokenizer)", "MB/s", "MB/s",
+                "tokenizers directly", megabytes / statistics.median(seconds["tokenizers"]),
+                megabytes / statistics.median(seconds["ptbr"]), paired_ratio(seconds["ptbr"], seconds["tokenizers"]),
+                "ptbr prepare --input corpus.txt --tokenizer tokenizer.json --output data", runs=runs)]
+
+
+SECTIONS = {"pretrain": pretrain_section, "finetune": finetune_section, "startup": startup_section,
+            "data": data_section}
+
+
+# ---- the table --------------------------------------------------------------------------------
+
+
+def mlx_rows(results: Path = RESULTS) -> list[dict]:
+    """Rows from benchmarks/mlx_lora_speed.py's JSON files (ptbr's MLX LoRA against mlx_lm.lora)."""
+    rows = []
+    for path in sorted(results.glob("mlx_lora_speed_*.json")):
+        found = json.loads(path.read_text())
+        ours, theirs = found["ptbr"], found["mlx_lm_lora"]
+        rows.append(row("mlx", f"MLX LoRA fine-tuning ({found.get('device', 'MLX')})", "tokens/s", "tokens/s",
+                        "mlx_lm.lora", theirs["tokens_per_s"], ours["tokens_per_s"], found["ratio"],
+                        found.get("command", "python benchmarks/mlx_lora_speed.py"), source=path.name))
+    return rows
+
+
+def number(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value:.2f} s"
+    if unit == "MB":
+        return f"{value:,.0f} MB"
+    return f"{value:,.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
+
+
+def markdown(result: dict) -> str:
+    """The README's table: one line per row, ratios > 1 meaning ptbr is ahead, then the commands."""
+    load = result["conditions"].get("load_average")
+    busy = f", load average {load[0]:.1f} at the start" if load else ""
+    lines = [f"Measured on {result['conditions']['machine']} ({result['conditions']['when']}{busy}); "
+             f"{result['conditions']['method']}", "",
+             "| Benchmark | Metric | Reference | Reference | ptbr | ptbr advantage |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in result["rows"]:
+        theirs, ours = number(r["reference_value"], r["unit"]), number(r["ptbr_value"], r["unit"])
+        if "mfu_ptbr" in r:
+            theirs, ours = f"{theirs} (MFU {100 * r['mfu_reference']:.0f}%)", f"{ours} (MFU {100 * r['mfu_ptbr']:.0f}%)"
+        lines.append(f"| {r['name']} | {r['metric']} | {r['reference']} | {theirs} | {ours} | {r['ratio']:.2f}x |")
+    benchmarks = list(dict.fromkeys(r.get("benchmark_command", result["conditions"]["command"]) for r in result["rows"]))
+    lines += ["", "Reproduce: " + "; ".join(f"`{b}`" for b in benchmarks) + ". ptbr's side of each row:", ""]
+    seen = []
+    for r in result["rows"]:
+        if r["command"] not in seen:
+            seen.append(r["command"])
+            lines.append(f"- {r['name']}: `{r['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def kept_rows(path: Path, new_rows: list[dict]) -> list[dict]:
+    """The rows of an earlier run (e.g. `--only pretrain --sizes 85m` run apart) that this run did
+    not measure again: a part of the table can be rerun without the rest."""
+    if not path.is_file():
+        return []
+    replaced = {(r["section"], r["name"], r["metric"], r["reference"]) for r in new_rows}
+    return [r for r in json.loads(path.read_text())["rows"]
+            if (r["section"], r["name"], r["metric"], r["reference"]) not in replaced and r["section"] != "mlx"]
+
+
+def conditions(args) -> dict:
+    import torch
+
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    if args.device == "cuda":
+        machine = f"{torch.cuda.get_device_name()}, {machine}"
+    method = (f"each contender in a fresh process, {args.rounds} alternating round(s), "
+              f"{args.warmup} untimed + {args.steps} timed steps each; the ratio is the median over rounds of "
+              f"the ratio within a round (time or memory: reference / ptbr; throughput: ptbr / reference).")
+    return {"machine": machine, "when": time.strftime("%Y-%m-%d"), "method": method, "device": args.device,
+            "load_average": os.getloadavg(), "quick": args.quick,
+            "command": " ".join(["python benchmarks/speed.py", *sys.argv[1:]])}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                        help="default: bf16 on a GPU, fp32 on CPU")
+    parser.add_argument("--only", nargs="+", choices=tuple(SECTIONS), help="run these sections only")
+    parser.add_argument("--sizes", nargs="+", help="pretraining presets to run (default: tiny and 85m; on a GPU also 400m)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of every contender")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps of every run")
+    parser.add_argument("--data-mb", type=int, default=20, help="megabytes of text for the data section")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes, one round, two timed steps: checks that everything runs (CI)")
+    parser.add_argument("--output-dir", default=str(RESULTS), help="where speed_DEVICE.json and .md are written")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.warmup, args.steps = 1, 1, 2
+    result = {"conditions": conditions(args), "rows": []}
+    with tempfile.TemporaryDirectory(prefix="ptbr-speed-") as tmp:
+        for name in args.only or SECTIONS:
+            (Path(tmp) / name).mkdir()
+            result["rows"] += SECTIONS[name](args, Path(tmp) / name)
+    result["rows"] += mlx_rows()
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    stem = f"speed_{args.device}" + ("_quick" if args.quick else "")
+    for measured in result["rows"]:
+        measured["benchmark_command"] = result["conditions"]["command"]
+    result["rows"] = kept_rows(output / f"{stem}.json", result["rows"]) + result["rows"]
+    (output / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown(result)
+    (output / f"{stem}.md").write_text(table)
+    print(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The speed benchmark runs and writes its table (a check that it works, not a timed test: no
+ratio is asserted, only that every row is there and its numbers are numbers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_speed():
+    spec = importlib.util.spec_from_file_location("ptbr_speed_benchmark", BENCHMARKS / "speed.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_quick_speed_benchmark_writes_every_row(tmp_path):
+    speed = load_speed()
+    speed.main(["--quick", "--output-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "speed_cpu_quick.json").read_text())
+    found = {(row["section"], row["metric"], row["reference"]) for row in result["rows"]}
+    assert {
+        ("pretrain", "tokens/s", "HF Trainer"),
+        ("pretrain", "tokens/s", "plain PyTorch loop"),
+        ("startup", "seconds", "HF Trainer"),  # command to first step
+        ("finetune", "tokens/s", "transformers + PEFT Trainer"),
+        ("finetune", "peak resident memory", "transformers + PEFT Trainer"),
+        ("data", "MB/s", "tokenizers directly"),
+    } <= found
+    assert any(row["name"] == "`ptbr --help` start-up" for row in result["rows"] if row["section"] != "mlx")
+    assert len([r for r in result["rows"] if r["section"] == "finetune"]) == 4  # LoRA and QLoRA, speed and memory
+    for row in result["rows"]:
+        for key in ("reference_value", "ptbr_value", "ratio"):
+            assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (row["name"], key)
+        assert row["command"].startswith(("ptbr ", "python benchmarks/"))
+    table = (tmp_path / "speed_cpu_quick.md").read_text()
+    assert table.count("\n| ") == len(result["rows"]) + 1  # the header, then one line per row
+    assert "Reproduce: `python benchmarks/speed.py --quick" in table
+    measured = [row for row in result["rows"] if row["section"] != "mlx"]  # MLX rows come from their own files
+    assert all(row["benchmark_command"].startswith("python benchmarks/speed.py --quick") for row in measured)
+
+
+def test_mlx_results_join_the_table(tmp_path):
+    """benchmarks/mlx_lora_speed.py's JSON (written on a Mac) becomes a row of this table."""
+    speed = load_speed()
+    (tmp_path / "mlx_lora_speed_metal.json").write_text(json.dumps({
+        "device": "Metal (Apple M2)", "ptbr": {"tokens_per_s": 1200.0, "peak_memory_gb": 1.0},
+        "mlx_lm_lora": {"tokens_per_s": 1000.0, "peak_memory_gb": 1.1}, "ratio": 1.2,
+        "command": "python benchmarks/mlx_lora_speed.py"}))
+    rows = speed.mlx_rows(tmp_path)
+    assert [(r["reference"], r["reference_value"], r["ptbr_value"], r["ratio"]) for r in rows] == [
+        ("mlx_lm.lora", 1000.0, 1200.0, 1.2)]
+    table = speed.markdown({"conditions": {"machine": "M2", "when": "today", "method": "m", "command": "c"},
+                            "rows": rows})
+    assert "| MLX LoRA fine-tuning (Metal (Apple M2)) | tokens/s | mlx_lm.lora | 1,000 tokens/s | 1,200 tokens/s | 1.20x |" in table
+
+
+def test_mfu_counts_every_weight_and_the_attention():
+    speed = load_speed()
+    # tiny at the bundled 2,048-token vocabulary: 1,066,112 parameters (tied), 4 layers of width 128
+    assert speed.flops_per_token("tiny", 2048, 256) == 6 * 1_066_112 + 12 * 4 * 128 * 256

@@ -344,7 +344,7 @@ def conditions(args) -> dict:
               f"the ratio within a round (time or memory: reference / ptbr; throughput: ptbr / reference).")
     return {"machine": machine, "when": time.strftime("%Y-%m-%d"), "method": method, "device": args.device,
             "load_average": os.getloadavg(), "quick": args.quick,
-            "command": " ".join(["python benchmarks/speed.py", *sys.argv[1:]])}
+            "command": " ".join(["python benchmarks/speed.py", *args.argv])}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="tiny shapes, one round, two timed steps: checks that everything runs (CI)")
     parser.add_argument("--output-dir", default=str(RESULTS), help="where speed_DEVICE.json and .md are written")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # what reproduces this run
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
     result = {"conditions": conditions(args), "rows": []}

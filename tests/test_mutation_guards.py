@@ -1,0 +1,330 @@
+"""Direct tests for bugs that a mutation run let through, or caught only by chance (`nox -s mutants`).
+
+Each test pins one promise of the step, the batch sources or a checkpoint to an exact number that
+a plausible wrong version changes: a skipped step changes nothing; losses and updates are weighted
+by target tokens, not averaged per batch; clipping bounds the applied gradient to exactly
+max_grad_norm; a resumed run continues the RNG; batches are a pure function of the step whatever
+was asked before; and a train.bin shorter than one window is refused. Tiny 2-layer models, CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ptbr.cli import main
+from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset
+from ptbr.errors import DataError
+from ptbr.finetune.batches import ChatBatches
+from ptbr.finetune.data import Example
+from ptbr.train.device import resolve_precision
+from ptbr.train.step import IGNORE_INDEX, TorchStep, build_optimizer, windows_to_batch
+
+VOCAB, SEQ_LEN = 64, 16
+
+
+@pytest.fixture(autouse=True)
+def _own_rng():
+    """These tests seed and draw from torch's global RNG: no other test sees what they left."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
+def tiny_model(seed: int = 0):
+    """A 2-layer Llama. initializer_range 0.2: per-token losses then range from ~1 to ~9, so a
+    per-batch mean and a per-token mean of the same batches differ by far more than rounding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2 * SEQ_LEN,
+                         initializer_range=0.2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def backend(model, optimizer=None, max_grad_norm: float = 0.0) -> TorchStep:
+    """TorchStep on the CPU in fp32; plain SGD unless told otherwise, so an update is lr * gradient."""
+    optimizer = optimizer or torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    return TorchStep(model, optimizer, resolve_precision(torch.device("cpu"), "fp32"), max_grad_norm)
+
+
+def uneven_micro_batches() -> list[dict]:
+    """A full micro-batch of 4 rows (64 targets) and a 1-row one with only 2 targets (the short
+    remainder of an epoch, or a padded fine-tuning example)."""
+    windows = np.random.default_rng(0).integers(0, VOCAB, size=(5, SEQ_LEN + 1))
+    full, short = windows_to_batch(windows[:4]), windows_to_batch(windows[4:])
+    short["labels"] = short["labels"].copy()
+    short["labels"][:, 2:] = IGNORE_INDEX
+    return [full, short]
+
+
+def one_batch(micro_batches: list[dict]) -> dict:
+    return {key: np.concatenate([b[key] for b in micro_batches]) for key in micro_batches[0]}
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def update(before: dict, model) -> dict[str, torch.Tensor]:
+    return {name: before[name] - p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def global_norm(tensors) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))
+
+
+def token_losses(model, batch: dict) -> torch.Tensor:
+    """Cross-entropy of every target token of a batch, computed here without TorchStep."""
+    logits = model(input_ids=torch.as_tensor(batch["input_ids"])).logits
+    labels = torch.as_tensor(batch["labels"]).flatten()
+    losses = F.cross_entropy(logits.flatten(0, 1), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return losses[labels != IGNORE_INDEX]
+
+
+def hand_gradients(model, loss_fn) -> dict[str, torch.Tensor]:
+    """The gradient of loss_fn(model) on a copy of the model."""
+    twin = copy.deepcopy(model)
+    loss_fn(twin).backward()
+    return {name: p.grad.detach().clone() for name, p in twin.named_parameters() if p.requires_grad}
+
+
+def assert_same_tensors(a: dict, b: dict, **tolerance) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **tolerance, msg=name)
+
+
+# ---- a non-finite step is skipped, not applied ---------------------------------------------------
+
+
+def test_a_step_with_non_finite_gradients_changes_no_parameter_and_no_optimizer_state():
+    model = tiny_model()
+    step = backend(model, build_optimizer(model, _adamw_settings(), torch.device("cpu")), max_grad_norm=1.0)
+    twin_model = copy.deepcopy(model)
+    twin = backend(twin_model, build_optimizer(twin_model, _adamw_settings(), torch.device("cpu")), max_grad_norm=1.0)
+    batch = uneven_micro_batches()
+    for backend_ in (step, twin):  # a good step first, so that AdamW has moments to protect
+        assert not backend_.train_step(batch, lr=1e-2).skipped
+    weights, optimizer_state = params_of(model), copy.deepcopy(step.optimizer.state_dict())
+
+    poisoned = model.model.layers[0].mlp.up_proj.weight.register_hook(lambda g: torch.full_like(g, math.inf))
+    result = step.train_step(batch, lr=1e-2)
+    poisoned.remove()
+    assert result.skipped and math.isfinite(result.loss) and not math.isfinite(result.grad_norm)
+    assert_same_tensors(params_of(model), weights, rtol=0, atol=0)
+    after = step.optimizer.state_dict()
+    assert after["state"].keys() == optimizer_state["state"].keys()
+    for index, moments in optimizer_state["state"].items():
+        assert_same_tensors(after["state"][index], moments, rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())  # nothing left over for the next step
+
+    # the next good step is exactly the one a run that never saw the bad step takes
+    step.train_step(batch, lr=1e-2)
+    twin.train_step(batch, lr=1e-2)
+    assert_same_tensors(params_of(model), params_of(twin_model), rtol=0, atol=0)
+
+
+def _adamw_settings():
+    from ptbr.config import LoopSettings
+
+    return LoopSettings()
+
+
+# ---- losses and updates are weighted by target tokens ------------------------------------------
+
+
+def test_eval_loss_is_the_mean_per_target_token_over_uneven_batches():
+    model = tiny_model()
+    batches = uneven_micro_batches()
+    with torch.no_grad():
+        per_batch = [token_losses(model, b) for b in batches]
+    by_token = float(torch.cat(per_batch).mean())
+    by_batch = float(torch.stack([losses.mean() for losses in per_batch]).mean())
+    assert [len(losses) for losses in per_batch] == [64, 2]
+    assert abs(by_token - by_batch) > 0.3  # the batches really tell the two means apart
+
+    assert backend(model).eval_loss(batches) == pytest.approx(by_token, rel=1e-6)
+
+
+def test_accumulated_update_over_uneven_micro_batches_is_the_one_big_batch_update():
+    """SGD at a real learning rate: the applied update is lr * the gradient of the mean loss over
+    all 66 target tokens, as if the micro-batches were one batch, and measurably not lr * the mean
+    of the two micro-batches' mean-loss gradients."""
+    lr = 0.5
+    micro = uneven_micro_batches()
+    updates, results = [], []
+    for batches in (micro, [one_batch(micro)]):
+        model = tiny_model()
+        step = backend(model)
+        before = params_of(model)
+        results.append(step.train_step(batches, lr=lr))
+        updates.append(update(before, model))
+    accumulated, big = updates
+    assert_same_tensors(accumulated, big, rtol=1e-5, atol=1e-7)
+    assert results[0].target_tokens == results[1].target_tokens == 66
+    assert results[0].loss == pytest.approx(results[1].loss, rel=1e-6)
+
+    model = tiny_model()
+    by_token = hand_gradients(model, lambda m: torch.cat([token_losses(m, b) for b in micro]).mean())
+    by_batch = hand_gradients(model, lambda m: sum(token_losses(m, b).mean() for b in micro) / len(micro))
+    assert_same_tensors(accumulated, {k: lr * g for k, g in by_token.items()}, rtol=1e-4, atol=1e-6)
+    differences = [float((accumulated[k] - lr * by_batch[k]).abs().max()) for k in accumulated]
+    assert max(differences) > 1e-2  # 10,000 x the tolerance above: a mean of means cannot pass
+
+
+# ---- clipping --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [0.25, 2.0, 0.0], ids=["clipped", "under the limit", "clipping off"])
+def test_the_applied_gradient_norm_is_min_of_the_norm_and_max_grad_norm(ratio):
+    """SGD at lr 1: the update is the applied gradient. max_grad_norm = ratio * the gradient's norm
+    (0 turns clipping off); the reported grad_norm is the norm before clipping."""
+    model = tiny_model()
+    micro = uneven_micro_batches()
+    gradients = hand_gradients(model, lambda m: torch.cat([token_losses(m, b) for b in micro]).mean())
+    norm = global_norm(gradients.values())
+    limit = ratio * norm
+    step = backend(model, max_grad_norm=limit)
+    before = params_of(model)
+    result = step.train_step(micro, lr=1.0)
+    applied = update(before, model)
+
+    assert result.grad_norm == pytest.approx(norm, rel=1e-5)
+    expected_norm = min(norm, limit) if limit > 0 else norm
+    assert global_norm(applied.values()) == pytest.approx(expected_norm, rel=1e-5)
+    scale = expected_norm / norm
+    assert_same_tensors(applied, {k: scale * g for k, g in gradients.items()}, rtol=1e-4, atol=1e-7)
+
+
+# ---- the RNG continues exactly after a resume ----------------------------------------------------
+
+
+def test_load_state_restores_the_torch_rng_a_run_saved(tmp_path):
+    """Pretraining: the draw after a resume is the draw the uninterrupted run made next."""
+    step = backend(tiny_model())
+    torch.manual_seed(3)
+    torch.rand(5)  # wherever the run stood
+    step.save_state(tmp_path)
+    uninterrupted = torch.rand(8)
+
+    torch.manual_seed(12345)  # a fresh process seeds its own way (finetune seeds before loading)
+    step.load_state(tmp_path)
+    assert torch.equal(torch.rand(8), uninterrupted)
+
+
+def test_lora_dropout_after_a_resume_draws_the_masks_of_the_uninterrupted_run(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
+                                                        target_modules=["q_proj", "v_proj"]))
+    step = backend(model, build_optimizer(model, _adamw_settings(), torch.device("cpu")), max_grad_norm=1.0)
+    micro = uneven_micro_batches()
+    torch.manual_seed(1)
+    step.train_step(micro, lr=1e-2)  # LoRA's B starts at 0; after one step the masks change the loss
+    step.save_state(tmp_path)
+    uninterrupted = [step.train_step(micro, lr=1e-2).loss for _ in range(2)]
+    weights = params_of(model)
+
+    torch.manual_seed(1)
+    step.load_state(tmp_path)
+    resumed = [step.train_step(micro, lr=1e-2).loss for _ in range(2)]
+    assert resumed == uninterrupted
+    assert_same_tensors(params_of(model), weights, rtol=0, atol=0)
+
+    step.load_state(tmp_path)
+    torch.manual_seed(2)  # the same weights and optimizer with other masks: another loss
+    assert step.train_step(micro, lr=1e-2).loss != uninterrupted[0]
+    # evaluation draws no masks: twice the same number, whatever the RNG
+    assert step.eval_loss(micro) == step.eval_loss(micro)
+
+
+# ---- batches are a pure function of (seed, step), whatever was asked before -----------------------
+
+
+def token_dataset(tmp_path, tokens: int = 500) -> TokenDataset:
+    path = tmp_path / "train.bin"
+    (np.arange(tokens) % VOCAB).astype("<u2").tofile(path)
+    train = np.memmap(path, dtype="<u2", mode="r")
+    return TokenDataset(tmp_path, tmp_path / "tokenizer.json", np.dtype("<u2"), VOCAB, 0, None, train, None)
+
+
+def same_batches(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b, strict=True))
+
+
+def assert_pure(make_source, steps=(3, 1, 3, 0, 1)) -> None:
+    """One source asked in a jumbled order (as a resume, a retry or a diagnosis asks) gives each
+    step the batches a fresh source gives it."""
+    source = make_source()
+    seen = [(step, source.cycle(step)) for step in steps]
+    for step, batches in seen:
+        assert same_batches(batches, make_source().cycle(step)), f"step {step}"
+    assert not same_batches(seen[0][1], seen[1][1])
+
+
+def test_pretraining_batches_do_not_depend_on_earlier_calls(tmp_path):
+    dataset = token_dataset(tmp_path)
+    assert_pure(lambda: PretrainBatches(dataset, batch_size=2, grad_accum=3, seq_len=SEQ_LEN, seed=5))
+    windows = RandomWindows(dataset.train, dataset.train_path, 4, SEQ_LEN, VOCAB, seed=5)
+    first = windows.batch(2)
+    windows.batch(0)
+    assert np.array_equal(windows.batch(2), first)
+    # batch 2 x grad_accum 3 sees the same windows as batch 6 x grad_accum 1
+    split = PretrainBatches(dataset, batch_size=2, grad_accum=3, seq_len=SEQ_LEN, seed=5).cycle(4)
+    whole = PretrainBatches(dataset, batch_size=6, grad_accum=1, seq_len=SEQ_LEN, seed=5).cycle(4)
+    assert [len(b["input_ids"]) for b in split] == [2, 2, 2]
+    assert same_batches([one_batch(split)], whole)
+
+
+def test_fine_tuning_batches_do_not_depend_on_earlier_calls():
+    examples = [Example(i + 1, 100 * i + np.arange(3 + i % 5), np.ones(3 + i % 5, dtype=bool)) for i in range(11)]
+    # 2 steps per epoch: steps 3 and 1 are the same place in epochs 1 and 0, in different orders
+    assert_pure(lambda: ChatBatches(examples, batch_size=2, grad_accum=4, seed=7, pad_id=0))
+
+
+# ---- a train.bin shorter than one window ---------------------------------------------------------
+
+
+def test_random_windows_refuses_a_token_file_shorter_than_one_window(tmp_path):
+    dataset = token_dataset(tmp_path, tokens=SEQ_LEN + 1)
+    windows = RandomWindows(dataset.train, dataset.train_path, 3, SEQ_LEN, VOCAB, seed=0)
+    assert np.array_equal(windows.batch(0), np.tile(np.arange(SEQ_LEN + 1), (3, 1)))  # exactly one window fits
+    with pytest.raises(DataError) as info:
+        RandomWindows(dataset.train[:SEQ_LEN], dataset.train_path, 3, SEQ_LEN, VOCAB, seed=0)
+    assert info.value.what == f"train.bin holds {SEQ_LEN} tokens, fewer than seq_len + 1 = {SEQ_LEN + 1}"
+    assert info.value.where == str(dataset.train_path)
+
+
+def test_train_on_data_shorter_than_one_window_exits_3_before_training(tmp_path, dataset_dir, capsys):
+    """40 tokens: --seq-len 40 needs 41 and is refused, whichever layer checks; --seq-len 39 trains."""
+    data = tmp_path / "short"
+    data.mkdir()
+    for name in ("tokenizer.json", "val.bin"):
+        (data / name).write_bytes((dataset_dir / name).read_bytes())
+    np.fromfile(dataset_dir / "train.bin", dtype="<u2")[:40].tofile(data / "train.bin")
+    meta = json.loads((dataset_dir / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps(meta | {"train_tokens": 40}))
+
+    def train(seq_len: int, output) -> int:
+        return main(["train", "--data", str(data), "--output", str(output), "--model-size", "tiny", "--seq-len",
+                     str(seq_len), "--batch-size", "2", "--max-steps", "1", "--eval-batches", "1", "--device", "cpu"])
+
+    capsys.readouterr()
+    assert train(40, tmp_path / "refused") == 3
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: train.bin holds 40 tokens, fewer than seq_len + 1 = 41 (")
+    assert line.endswith("; fix: lower --seq-len or add data")
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+    assert train(39, tmp_path / "fits") == 0
+    assert len((tmp_path / "fits" / "metrics.jsonl").read_text().splitlines()) == 1

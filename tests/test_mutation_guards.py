@@ -1,10 +1,12 @@
 """Direct tests for bugs that a mutation run let through, or caught only by chance (`nox -s mutants`).
 
-Each test pins one promise of the step, the batch sources or a checkpoint to an exact number that
-a plausible wrong version changes: a skipped step changes nothing; losses and updates are weighted
-by target tokens, not averaged per batch; clipping bounds the applied gradient to exactly
-max_grad_norm; a resumed run continues the RNG; batches are a pure function of the step whatever
-was asked before; and a train.bin shorter than one window is refused. Tiny 2-layer models, CPU.
+Each test pins one promise of the step, the loop, the batch sources or a checkpoint to an exact
+number that a plausible wrong version changes: a skipped step changes nothing; losses and updates
+are weighted by target tokens, not averaged per batch; clipping bounds the applied gradient to
+exactly max_grad_norm; a resumed run continues the RNG; batches are a pure function of the step
+whatever was asked before; the loop keeps the best validation loss and stops after five non-finite
+steps in a row; a checkpoint counts only when complete; a train.bin shorter than one window is
+refused. Tiny 2-layer models, CPU.
 """
 
 from __future__ import annotations
@@ -19,11 +21,19 @@ import torch
 import torch.nn.functional as F
 
 from ptbr.cli import main
-from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset
-from ptbr.errors import DataError
+from ptbr.config import LoopSettings
+from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset, eval_windows
+from ptbr.errors import DataError, TrainingDiverged
 from ptbr.finetune.batches import ChatBatches
 from ptbr.finetune.data import Example
+from ptbr.train.checkpoint import (
+    complete_checkpoints,
+    latest_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 from ptbr.train.device import resolve_precision
+from ptbr.train.loop import Callbacks, LoopState, fit
 from ptbr.train.step import IGNORE_INDEX, TorchStep, build_optimizer, windows_to_batch
 
 VOCAB, SEQ_LEN = 64, 16
@@ -107,9 +117,9 @@ def assert_same_tensors(a: dict, b: dict, **tolerance) -> None:
 
 def test_a_step_with_non_finite_gradients_changes_no_parameter_and_no_optimizer_state():
     model = tiny_model()
-    step = backend(model, build_optimizer(model, _adamw_settings(), torch.device("cpu")), max_grad_norm=1.0)
+    step = backend(model, adamw(model), max_grad_norm=1.0)
     twin_model = copy.deepcopy(model)
-    twin = backend(twin_model, build_optimizer(twin_model, _adamw_settings(), torch.device("cpu")), max_grad_norm=1.0)
+    twin = backend(twin_model, adamw(twin_model), max_grad_norm=1.0)
     batch = uneven_micro_batches()
     for backend_ in (step, twin):  # a good step first, so that AdamW has moments to protect
         assert not backend_.train_step(batch, lr=1e-2).skipped
@@ -124,18 +134,16 @@ def test_a_step_with_non_finite_gradients_changes_no_parameter_and_no_optimizer_
     assert after["state"].keys() == optimizer_state["state"].keys()
     for index, moments in optimizer_state["state"].items():
         assert_same_tensors(after["state"][index], moments, rtol=0, atol=0)
-    assert all(p.grad is None for p in model.parameters())  # nothing left over for the next step
-
-    # the next good step is exactly the one a run that never saw the bad step takes
+    # the next good step is exactly the one a run that never saw the bad step takes (no gradient
+    # of the bad step left over)
     step.train_step(batch, lr=1e-2)
     twin.train_step(batch, lr=1e-2)
     assert_same_tensors(params_of(model), params_of(twin_model), rtol=0, atol=0)
 
 
-def _adamw_settings():
-    from ptbr.config import LoopSettings
-
-    return LoopSettings()
+def adamw(model, **settings):
+    """ptbr's own optimizer (AdamW, fused on CPU, no decay on norms)."""
+    return build_optimizer(model, LoopSettings(**settings), torch.device("cpu"))
 
 
 # ---- losses and updates are weighted by target tokens ------------------------------------------
@@ -220,6 +228,19 @@ def test_load_state_restores_the_torch_rng_a_run_saved(tmp_path):
     assert torch.equal(torch.rand(8), uninterrupted)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_state_restores_the_cuda_rng_too(tmp_path):
+    step = backend(tiny_model())
+    torch.cuda.manual_seed_all(3)
+    step.save_state(tmp_path)
+    uninterrupted = torch.rand(8, device="cuda")
+
+    torch.cuda.manual_seed_all(12345)
+    step.load_state(tmp_path)
+    assert torch.equal(torch.rand(8, device="cuda"), uninterrupted)
+
+
 def test_lora_dropout_after_a_resume_draws_the_masks_of_the_uninterrupted_run(tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -227,7 +248,7 @@ def test_lora_dropout_after_a_resume_draws_the_masks_of_the_uninterrupted_run(tm
         torch.manual_seed(0)
         model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
                                                         target_modules=["q_proj", "v_proj"]))
-    step = backend(model, build_optimizer(model, _adamw_settings(), torch.device("cpu")), max_grad_norm=1.0)
+    step = backend(model, adamw(model), max_grad_norm=1.0)
     micro = uneven_micro_batches()
     torch.manual_seed(1)
     step.train_step(micro, lr=1e-2)  # LoRA's B starts at 0; after one step the masks change the loss
@@ -291,6 +312,116 @@ def test_fine_tuning_batches_do_not_depend_on_earlier_calls():
     examples = [Example(i + 1, 100 * i + np.arange(3 + i % 5), np.ones(3 + i % 5, dtype=bool)) for i in range(11)]
     # 2 steps per epoch: steps 3 and 1 are the same place in epochs 1 and 0, in different orders
     assert_pure(lambda: ChatBatches(examples, batch_size=2, grad_accum=4, seed=7, pad_id=0))
+
+
+def test_validation_windows_are_evenly_spaced_and_capped(tmp_path):
+    """60 tokens, seq_len 8: 52 start positions hold 6 disjoint-length windows, spread from the
+    first token to the last; at most max_batches x batch_size of them; exactly one window fits."""
+    dataset = token_dataset(tmp_path, tokens=60)  # token i is i: a window's first id is its start
+
+    def starts(tokens, batch_size: int, max_batches: int) -> list[list[int]]:
+        batches = eval_windows(tokens, dataset.train_path, batch_size, 8, VOCAB, max_batches)
+        for batch in batches:
+            assert np.array_equal(batch, batch[:, :1] + np.arange(9))  # whole windows of seq_len + 1
+        return [batch[:, 0].tolist() for batch in batches]
+
+    assert starts(dataset.train, 2, 5) == [[0, 10], [20, 30], [40, 51]]
+    assert starts(dataset.train, 2, 2) == [[0, 17], [34, 51]]
+    assert starts(dataset.train[:9], 2, 5) == [[0]]
+    assert starts(dataset.train[:8], 2, 5) == []
+
+
+# ---- the loop: evaluation, best step, checkpoints, non-finite steps --------------------------------
+
+
+class Recorder(Callbacks):
+    def __init__(self):
+        self.evals, self.checkpoints = [], []
+
+    def on_eval(self, state, val_loss, is_best):
+        self.evals.append((state.step, val_loss, is_best))
+
+    def on_checkpoint(self, state, path):
+        self.checkpoints.append((state.step, path.name))
+
+
+def fit_tiny(tmp_path, max_steps: int, poisoned_steps=(), learning_rate: float = 3e-2):
+    """fit() over a tiny model with evaluation and a checkpoint after every step; the gradients of
+    the steps in poisoned_steps (1-based) are made infinite."""
+    settings = LoopSettings(output=str(tmp_path / "run"), max_steps=max_steps, learning_rate=learning_rate,
+                            warmup_steps=0, eval_every=1, save_every=1, batch_size=2, seed=0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(parents=True)
+    dataset = token_dataset(tmp_path)
+    model = tiny_model()
+    step = backend(model, adamw(model), max_grad_norm=1.0)
+    backward_calls = []
+
+    def poison(grad):
+        backward_calls.append(1)
+        return torch.full_like(grad, math.inf) if len(backward_calls) in poisoned_steps else grad
+
+    model.model.layers[0].mlp.up_proj.weight.register_hook(poison)
+    source = PretrainBatches(dataset, 2, 1, SEQ_LEN, seed=0)
+    eval_batches = [windows_to_batch(w) for w in eval_windows(dataset.train, dataset.train_path, 2, SEQ_LEN, VOCAB, 2)]
+    recorder = Recorder()
+    state = LoopState()
+    try:
+        fit(step, source, eval_batches, settings, run_dir, state, recorder)
+    finally:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return state, recorder, rows, run_dir
+
+
+def test_fit_evaluates_and_saves_every_step_and_keeps_the_best_val_loss(tmp_path):
+    state, recorder, rows, run_dir = fit_tiny(tmp_path, max_steps=6)
+    val = [row["val_loss"] for row in rows]
+    assert [(step, loss) for step, loss, _ in recorder.evals] == list(zip(range(1, 7), val, strict=True))
+    best = min(range(6), key=val.__getitem__)
+    assert 0 < best < 5  # the validation loss falls, then rises: the last step is not the best
+    assert [is_best for _, _, is_best in recorder.evals] == [v < min(val[:i], default=math.inf)
+                                                              for i, v in enumerate(val)]
+    assert (state.best_val_loss, state.best_step) == (val[best], best + 1)
+    assert recorder.checkpoints == [(s, f"step_{s:06d}") for s in range(1, 7)]
+    assert read_state(run_dir / "checkpoints" / "step_000006")["loop"]["best_step"] == best + 1
+
+
+def test_fit_skips_non_finite_steps_and_stops_after_five_in_a_row(tmp_path):
+    # four bad steps, a good one, four bad ones: never five in a row, so the run completes
+    state, recorder, rows, run_dir = fit_tiny(tmp_path / "a", 10, poisoned_steps={2, 3, 4, 5, 7, 8, 9, 10})
+    assert (state.step, state.skipped_steps, state.bad_in_a_row) == (10, 8, 4)
+    weights = [(run_dir / "checkpoints" / f"step_{s:06d}" / "model.safetensors").read_bytes() for s in (1, 5, 6, 10)]
+    assert weights[0] == weights[1] and weights[1] != weights[2] and weights[2] == weights[3]
+    assert [row["val_loss"] for row in rows[1:5]] == [rows[0]["val_loss"]] * 4  # nothing moved
+
+    with pytest.raises(TrainingDiverged) as info:
+        fit_tiny(tmp_path / "b", 10, poisoned_steps={2, 3, 4, 5, 6})
+    assert info.value.what.startswith("loss or gradients not finite for 5 steps in a row (last: step 6, lr ")
+    assert read_state(tmp_path / "b" / "run" / "checkpoints" / "step_000005")["loop"]["skipped_steps"] == 4
+
+
+def test_a_checkpoint_counts_only_when_every_file_has_its_recorded_size(tmp_path):
+    step = backend(tiny_model())
+
+    def save(number: int, keep_last: int) -> list[str]:
+        save_checkpoint(tmp_path, number, step, {"loop": {"step": number}}, keep_last)
+        return [p.name for p in complete_checkpoints(tmp_path)]
+
+    assert [save(n, keep_last=2) for n in (1, 2, 3)][-1] == ["step_000002", "step_000003"]
+    assert save(4, keep_last=1) == ["step_000004"]
+    assert save(5, keep_last=0) == ["step_000004", "step_000005"]  # 0 keeps all
+    newest = latest_checkpoint(tmp_path)
+    state = read_state(newest)
+    assert state["step"] == 5 and state["loop"] == {"step": 5}
+    assert state["files"] == {p.name: p.stat().st_size for p in newest.iterdir() if p.name != "trainer_state.json"}
+    assert {"model.safetensors", "optimizer.pt", "scaler.pt", "rng.pt"} <= state["files"].keys()
+
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1])  # a write cut short
+    assert read_state(newest) is None
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+    (tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").unlink()
+    assert latest_checkpoint(tmp_path) is None
 
 
 # ---- a train.bin shorter than one window ---------------------------------------------------------

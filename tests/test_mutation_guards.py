@@ -459,3 +459,4 @@ def test_train_on_data_shorter_than_one_window_exits_3_before_training(tmp_path,
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
     assert train(39, tmp_path / "fits") == 0
     assert len((tmp_path / "fits" / "metrics.jsonl").read_text().splitlines()) == 1
+    assert "step 1/1 | loss " in capsys.readouterr().err  # the loop's progress line

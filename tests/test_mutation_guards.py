@@ -22,7 +22,14 @@ import torch.nn.functional as F
 
 from ptbr.cli import main
 from ptbr.config import LoopSettings
-from ptbr.data.tokens import PretrainBatches, RandomWindows, TokenDataset, eval_windows
+from ptbr.data.tokens import (
+    PretrainBatches,
+    RandomWindows,
+    TokenDataset,
+    eval_windows,
+    open_dataset,
+    read_windows,
+)
 from ptbr.errors import DataError, TrainingDiverged
 from ptbr.finetune.batches import ChatBatches
 from ptbr.finetune.data import Example
@@ -422,6 +429,40 @@ def test_a_checkpoint_counts_only_when_every_file_has_its_recorded_size(tmp_path
     assert latest_checkpoint(tmp_path).name == "step_000004"
     (tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").unlink()
     assert latest_checkpoint(tmp_path) is None
+
+
+# ---- token files: every check looks at every token ----------------------------------------------
+
+
+def test_the_max_token_id_is_found_in_any_chunk_and_a_lone_bad_id_is_located(tmp_path):
+    path = tmp_path / "train.bin"
+    for position in (0, 3, 4, 9):  # first and last token of a chunk of 4, the last token
+        tokens = np.ones(10, dtype="<u2")
+        tokens[position] = 50
+        tokens.tofile(path)
+        dataset = TokenDataset(tmp_path, path, np.dtype("<u2"), VOCAB, 0, None,
+                               np.memmap(path, dtype="<u2", mode="r"), None)
+        assert dataset.max_token_id(chunk=4) == 50, position
+    (np.arange(20) % VOCAB).astype("<u2").tofile(path)
+    tokens = np.memmap(path, dtype="<u2", mode="r+")
+    tokens[5] = 999
+    with pytest.raises(DataError) as info:
+        read_windows(tokens, path, np.array([3]), 8, VOCAB)
+    assert info.value.where == f"{path} at token offset 5 (byte 10)"
+
+
+def test_open_dataset_refuses_a_token_count_that_disagrees_with_meta_and_an_empty_train_bin(dataset_dir):
+    meta = json.loads((dataset_dir / "meta.json").read_text())
+    (dataset_dir / "meta.json").write_text(json.dumps(meta | {"train_tokens": meta["train_tokens"] + 1}))
+    with pytest.raises(DataError) as info:
+        open_dataset(dataset_dir)
+    assert info.value.what == f"meta.json says {meta['train_tokens'] + 1} train tokens but train.bin holds " \
+                              f"{meta['train_tokens']}"
+    (dataset_dir / "meta.json").write_text(json.dumps(meta | {"train_tokens": 0}))
+    (dataset_dir / "train.bin").write_bytes(b"")
+    with pytest.raises(DataError) as info:
+        open_dataset(dataset_dir)
+    assert info.value.what == "train.bin is empty"
 
 
 # ---- a train.bin shorter than one window ---------------------------------------------------------

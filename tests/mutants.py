@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the end-to-end tests of THOROUGH and those marked slow (minutes per mutant)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants tested at once, each in its own copy")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds per mutant before it counts as killed by a hang (default: 5x the clean run + 60)")
+                        help="seconds per mutant before it counts as killed by a hang (default: 3x the clean run + 60)")
     parser.add_argument("--list", action="store_true", help="list the mutants that would run, and stop")
     parser.add_argument("--report", type=Path, default=RESULTS / "report.json", help="where the JSON report goes")
     args = parser.parse_args(argv)
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 target.write_text(mutant.apply(source), encoding="utf-8")
                 tests = tests_for(mutant.module, args.thorough)
                 status, seconds, killed_by = run_tests(root, tests, marker,
-                                                       args.timeout or 5 * baseline[tests] + 60)
+                                                       args.timeout or 3 * baseline[tests] + 60)
             finally:
                 target.write_text(source, encoding="utf-8")
                 copies.put(root)

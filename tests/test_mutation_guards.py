@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -255,6 +256,7 @@ def test_lora_dropout_after_a_resume_draws_the_masks_of_the_uninterrupted_run(tm
         torch.manual_seed(0)
         model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
                                                         target_modules=["q_proj", "v_proj"]))
+    model.eval()  # as from_pretrained leaves a base: the step itself must turn dropout on
     step = backend(model, adamw(model), max_grad_norm=1.0)
     micro = uneven_micro_batches()
     torch.manual_seed(1)
@@ -373,10 +375,13 @@ def fit_tiny(tmp_path, max_steps: int, poisoned_steps=(), learning_rate: float =
     eval_batches = [windows_to_batch(w) for w in eval_windows(dataset.train, dataset.train_path, 2, SEQ_LEN, VOCAB, 2)]
     recorder = Recorder()
     state = LoopState()
+    started = time.monotonic()
     try:
         fit(step, source, eval_batches, settings, run_dir, state, recorder)
     finally:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the time the loop books is time it really spent
+    assert 0 < state.elapsed_s <= time.monotonic() - started
     return state, recorder, rows, run_dir
 
 

@@ -196,6 +196,25 @@ def test_accumulated_update_over_uneven_micro_batches_is_the_one_big_batch_updat
     assert max(differences) > 1e-2  # 10,000 x the tolerance above: a mean of means cannot pass
 
 
+def test_a_step_with_a_single_target_token_is_applied_and_one_with_none_is_skipped():
+    model = tiny_model()
+    step = backend(model)
+    batch = uneven_micro_batches()[1]
+    batch["labels"] = batch["labels"].copy()
+    batch["labels"][:, 1:] = IGNORE_INDEX  # one target left
+    before = params_of(model)
+    result = step.train_step([batch], lr=0.5)
+    assert (result.target_tokens, result.skipped) == (1, False)
+    assert result.loss == pytest.approx(float(token_losses(tiny_model(), batch)[0]), rel=1e-6)
+    assert any(float(u.abs().max()) > 0 for u in update(before, model).values())
+
+    batch["labels"][:] = IGNORE_INDEX
+    before = params_of(model)
+    result = step.train_step([batch], lr=0.5)
+    assert (result.target_tokens, result.skipped, result.input_tokens) == (0, True, SEQ_LEN)
+    assert_same_tensors(params_of(model), before, rtol=0, atol=0)
+
+
 # ---- clipping --------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import copy
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -295,6 +296,31 @@ def test_lora_dropout_after_a_resume_draws_the_masks_of_the_uninterrupted_run(tm
     assert step.train_step(micro, lr=1e-2).loss != uninterrupted[0]
     # evaluation draws no masks: twice the same number, whatever the RNG
     assert step.eval_loss(micro) == step.eval_loss(micro)
+
+
+def _leave_a_mark(path: str) -> dict:
+    Path(path).write_text("code ran while loading a checkpoint")
+    return {}
+
+
+class _CodeInAPickle:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return _leave_a_mark, (str(self.marker),)
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scaler.pt", "rng.pt"])
+def test_load_state_never_runs_code_from_a_checkpoint(tmp_path, name):
+    """The states are loaded with weights_only=True: a pickle that would run code is refused."""
+    step = backend(tiny_model())
+    step.save_state(tmp_path)
+    marker = tmp_path / "marker"
+    torch.save({"state": _CodeInAPickle(marker)}, tmp_path / name)
+    with pytest.raises(Exception):  # noqa: B017 - whatever the error, the point is that nothing ran
+        step.load_state(tmp_path)
+    assert not marker.exists()
 
 
 # ---- batches are a pure function of (seed, step), whatever was asked before -----------------------

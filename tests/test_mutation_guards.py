@@ -28,6 +28,7 @@ from ptbr.data.tokens import (
     PretrainBatches,
     RandomWindows,
     TokenDataset,
+    describe,
     eval_windows,
     open_dataset,
     read_windows,
@@ -501,18 +502,23 @@ def test_the_max_token_id_is_found_in_any_chunk_and_a_lone_bad_id_is_located(tmp
     assert info.value.where == f"{path} at token offset 5 (byte 10)"
 
 
-def test_open_dataset_refuses_a_token_count_that_disagrees_with_meta_and_an_empty_train_bin(dataset_dir):
+def test_open_dataset_refuses_what_disagrees_with_meta_and_an_empty_train_bin(dataset_dir):
     meta = json.loads((dataset_dir / "meta.json").read_text())
-    (dataset_dir / "meta.json").write_text(json.dumps(meta | {"train_tokens": meta["train_tokens"] + 1}))
-    with pytest.raises(DataError) as info:
-        open_dataset(dataset_dir)
-    assert info.value.what == f"meta.json says {meta['train_tokens'] + 1} train tokens but train.bin holds " \
-                              f"{meta['train_tokens']}"
-    (dataset_dir / "meta.json").write_text(json.dumps(meta | {"train_tokens": 0}))
+
+    def problem_with(**changes) -> str:
+        (dataset_dir / "meta.json").write_text(json.dumps(meta | changes))
+        with pytest.raises(DataError) as info:
+            open_dataset(dataset_dir)
+        return info.value.what
+
+    tokens = meta["train_tokens"]
+    assert problem_with(train_tokens=tokens + 1) == f"meta.json says {tokens + 1} train tokens but train.bin holds {tokens}"
+    assert problem_with(vocab_size=401) == "meta.json says vocab_size 401 but the tokenizer has 400"
+    (dataset_dir / "val.bin").unlink()
+    (dataset_dir / "meta.json").write_text(json.dumps(meta))
+    assert "no val.bin: training will not evaluate" in describe(open_dataset(dataset_dir))["warnings"]
     (dataset_dir / "train.bin").write_bytes(b"")
-    with pytest.raises(DataError) as info:
-        open_dataset(dataset_dir)
-    assert info.value.what == "train.bin is empty"
+    assert problem_with(train_tokens=0) == "train.bin is empty"
 
 
 # ---- a train.bin shorter than one window ---------------------------------------------------------

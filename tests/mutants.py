@@ -9,7 +9,7 @@ the bugs a review once found the tests let through, always run so that the repor
 killed. The score, the survivors (file:line and the change) and a JSON report come out at the end.
 
     python tests/mutants.py --max 40 --seed 0            # a sample; the full set takes hours
-    python tests/mutants.py --module ptbr/train/step.py  # every mutant of one module
+    python tests/mutants.py --module ptbr/backends/torch/step.py  # every mutant of one module
 """
 
 from __future__ import annotations
@@ -36,40 +36,47 @@ REPO = Path(__file__).resolve().parents[1]
 # --- what is mutated, and which tests must catch it (keep this table up to date) ----------------
 # Module -> its test files, fastest and most direct first (pytest stops at the first failure).
 TARGETS: dict[str, tuple[str, ...]] = {
-    "ptbr/train/step.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
+    "ptbr/backends/torch/step.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
     "ptbr/train/loop.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
     "ptbr/train/checkpoint.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
     "ptbr/train/schedule.py": ("tests/test_schedule.py", "tests/test_training.py"),
+    "ptbr/data/batch.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
     "ptbr/data/tokens.py": ("tests/test_mutation_guards.py", "tests/test_data.py", "tests/test_training.py"),
     "ptbr/finetune/batches.py": ("tests/test_mutation_guards.py", "tests/test_chat_data.py"),
 }
-# Added with --thorough: end-to-end files that take minutes per mutant (subprocess runs, fine-tuning).
+# Added with --thorough: end-to-end files that take minutes per mutant (subprocess runs, fine-tuning,
+# resuming, data parallelism over gloo).
 THOROUGH: dict[str, tuple[str, ...]] = {
-    "ptbr/train/step.py": ("tests/test_finetune.py", "tests/test_robustness.py"),
-    "ptbr/train/loop.py": ("tests/test_robustness.py", "tests/test_finetune.py"),
-    "ptbr/train/checkpoint.py": ("tests/test_robustness.py",),
-    "ptbr/data/tokens.py": ("tests/test_robustness.py",),
-    "ptbr/finetune/batches.py": ("tests/test_finetune.py",),
+    "ptbr/backends/torch/step.py": ("tests/test_finetune.py", "tests/test_robustness.py", "tests/test_resume.py",
+                                    "tests/test_parallel.py"),
+    "ptbr/train/loop.py": ("tests/test_robustness.py", "tests/test_finetune.py", "tests/test_resume.py",
+                           "tests/test_parallel.py"),
+    "ptbr/train/checkpoint.py": ("tests/test_resume.py", "tests/test_robustness.py"),
+    "ptbr/data/batch.py": ("tests/test_finetune.py",),
+    "ptbr/data/tokens.py": ("tests/test_robustness.py", "tests/test_parallel.py"),
+    "ptbr/finetune/batches.py": ("tests/test_finetune.py", "tests/test_parallel.py"),
 }
 # Bugs once missed or caught only by chance (issue 10). `find` must occur exactly once in `module`;
 # when the code moves, update find/replace here (the report marks a stale entry "not applicable").
 CURATED: list[dict[str, str]] = [
-    {"name": "a non-finite step applied instead of skipped", "module": "ptbr/train/step.py",
+    {"name": "a non-finite step applied instead of skipped", "module": "ptbr/backends/torch/step.py",
      "find": "elif not skipped:\n            self.optimizer.step()",
      "replace": "else:\n            self.optimizer.step()"},
-    {"name": "validation loss averaged per batch, not per target token", "module": "ptbr/train/step.py",
-     "find": "total += self._loss_sum(self._to_device(batch)).item()\n                count += target_count(batch)",
-     "replace": "total += self._loss_sum(self._to_device(batch)).item() / max(1, target_count(batch))\n"
+    {"name": "validation loss averaged per batch, not per target token", "module": "ptbr/backends/torch/step.py",
+     "find": "total += self._loss_sum(self.model, self._to_device(batch)).item()\n"
+             "                count += target_count(batch)",
+     "replace": "total += self._loss_sum(self.model, self._to_device(batch)).item() / max(1, target_count(batch))\n"
                 "                count += 1"},
     {"name": "RandomWindows' check of a token file shorter than one window removed", "module": "ptbr/data/tokens.py",
      "find": "if len(tokens) < seq_len + 1:", "replace": "if False:"},
-    {"name": "accumulation as a mean of per-micro-batch means", "module": "ptbr/train/step.py",
-     "find": "self.scaler.scale(loss_sum / targets).backward()",
-     "replace": "self.scaler.scale(loss_sum / max(1, target_count(batch)) / len(micro_batches)).backward()"},
-    {"name": "gradient clipping removed", "module": "ptbr/train/step.py",
+    {"name": "accumulation as a mean of per-micro-batch means", "module": "ptbr/backends/torch/step.py",
+     "find": "self.scaler.scale(loss_sum * self.world.size / targets).backward()",
+     "replace": "self.scaler.scale(loss_sum * self.world.size / max(1, target_count(batch)) / len(micro_batches))"
+                ".backward()"},
+    {"name": "gradient clipping removed", "module": "ptbr/backends/torch/step.py",
      "find": "clip = self.max_grad_norm if self.max_grad_norm > 0 else math.inf", "replace": "clip = math.inf"},
-    {"name": "the torch RNG not restored on resume", "module": "ptbr/train/step.py",
-     "find": 'torch.set_rng_state(rng["torch"])', "replace": "pass"},
+    {"name": "the torch RNG not restored on resume", "module": "ptbr/backends/torch/step.py",
+     "find": "torch.set_rng_state(by_rank[self.world.rank])", "replace": "pass"},
     {"name": "a stateful batch RNG (pretraining windows)", "module": "ptbr/data/tokens.py",
      "find": "rng = np.random.default_rng([self.seed, index])",
      "replace": 'rng = self.__dict__.setdefault("_rng", np.random.default_rng([self.seed, index]))'},

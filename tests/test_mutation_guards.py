@@ -5,15 +5,17 @@ number that a plausible wrong version changes: a skipped step changes nothing; l
 are weighted by target tokens, not averaged per batch; clipping bounds the applied gradient to
 exactly max_grad_norm; a resumed run continues the RNG; batches are a pure function of the step
 whatever was asked before; the loop keeps the best validation loss and stops after five non-finite
-steps in a row; a checkpoint counts only when complete; a train.bin shorter than one window is
-refused. Tiny 2-layer models, CPU.
+steps in a row; a checkpoint counts only when complete, and is intact only when its hashes agree;
+a train.bin shorter than one window is refused. Tiny 2-layer models, CPU.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
+import pickle
 import time
 from pathlib import Path
 
@@ -22,8 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ptbr.backends.torch.device import resolve_precision
+from ptbr.backends.torch.step import TorchStep, build_optimizer
 from ptbr.cli import main
 from ptbr.config import LoopSettings
+from ptbr.data.batch import IGNORE_INDEX, windows_to_batch
 from ptbr.data.tokens import (
     PretrainBatches,
     RandomWindows,
@@ -38,13 +43,12 @@ from ptbr.finetune.batches import ChatBatches
 from ptbr.finetune.data import Example
 from ptbr.train.checkpoint import (
     complete_checkpoints,
+    corruption,
     latest_checkpoint,
     read_state,
     save_checkpoint,
 )
-from ptbr.train.device import resolve_precision
 from ptbr.train.loop import Callbacks, LoopState, fit
-from ptbr.train.step import IGNORE_INDEX, TorchStep, build_optimizer, windows_to_batch
 
 VOCAB, SEQ_LEN = 64, 16
 
@@ -244,9 +248,18 @@ def test_the_applied_gradient_norm_is_min_of_the_norm_and_max_grad_norm(ratio):
 # ---- the RNG continues exactly after a resume ----------------------------------------------------
 
 
+def trained_backend() -> TorchStep:
+    """TorchStep with ptbr's AdamW after one step, so that the optimizer has the moments a real
+    run's checkpoint holds (draws nothing from the RNG: the tiny model has no dropout)."""
+    model = tiny_model()
+    step = backend(model, adamw(model), max_grad_norm=1.0)
+    step.train_step(uneven_micro_batches(), lr=1e-2)
+    return step
+
+
 def test_load_state_restores_the_torch_rng_a_run_saved(tmp_path):
     """Pretraining: the draw after a resume is the draw the uninterrupted run made next."""
-    step = backend(tiny_model())
+    step = trained_backend()
     torch.manual_seed(3)
     torch.rand(5)  # wherever the run stood
     step.save_state(tmp_path)
@@ -260,7 +273,7 @@ def test_load_state_restores_the_torch_rng_a_run_saved(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_load_state_restores_the_cuda_rng_too(tmp_path):
-    step = backend(tiny_model())
+    step = trained_backend()
     torch.cuda.manual_seed_all(3)
     step.save_state(tmp_path)
     uninterrupted = torch.rand(8, device="cuda")
@@ -315,11 +328,11 @@ class _CodeInAPickle:
 @pytest.mark.parametrize("name", ["optimizer.pt", "scaler.pt", "rng.pt"])
 def test_load_state_never_runs_code_from_a_checkpoint(tmp_path, name):
     """The states are loaded with weights_only=True: a pickle that would run code is refused."""
-    step = backend(tiny_model())
+    step = trained_backend()
     step.save_state(tmp_path)
     marker = tmp_path / "marker"
     torch.save({"state": _CodeInAPickle(marker)}, tmp_path / name)
-    with pytest.raises(Exception):  # noqa: B017 - whatever the error, the point is that nothing ran
+    with pytest.raises(pickle.UnpicklingError):  # refused by torch.load(weights_only=True), not later
         step.load_state(tmp_path)
     assert not marker.exists()
 
@@ -423,7 +436,7 @@ def fit_tiny(tmp_path, max_steps: int, poisoned_steps=(), learning_rate: float =
     state = LoopState()
     started = time.monotonic()
     try:
-        fit(step, source, eval_batches, settings, run_dir, state, recorder)
+        fit(step, source, eval_batches, settings, run_dir, state, callbacks=recorder)
     finally:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # the time the loop books is time it really spent
@@ -458,11 +471,12 @@ def test_fit_skips_non_finite_steps_and_stops_after_five_in_a_row(tmp_path):
     assert read_state(tmp_path / "b" / "run" / "checkpoints" / "step_000005")["loop"]["skipped_steps"] == 4
 
 
-def test_a_checkpoint_counts_only_when_every_file_has_its_recorded_size(tmp_path):
+def test_a_checkpoint_counts_when_every_file_has_its_recorded_size_and_is_intact_with_its_hash(tmp_path):
     step = backend(tiny_model())
+    schedule = {"peak_lr": 1e-3, "warmup_steps": 0, "horizon": 5, "min_lr_ratio": 0.1}
 
     def save(number: int, keep_last: int) -> list[str]:
-        save_checkpoint(tmp_path, number, step, {"loop": {"step": number}}, keep_last)
+        save_checkpoint(tmp_path, number, step, {"loop": {"step": number}, "scheduler": schedule}, keep_last)
         return [p.name for p in complete_checkpoints(tmp_path)]
 
     assert [save(n, keep_last=2) for n in (1, 2, 3)][-1] == ["step_000002", "step_000003"]
@@ -470,12 +484,19 @@ def test_a_checkpoint_counts_only_when_every_file_has_its_recorded_size(tmp_path
     assert save(5, keep_last=0) == ["step_000004", "step_000005"]  # 0 keeps all
     newest = latest_checkpoint(tmp_path)
     state = read_state(newest)
-    assert state["step"] == 5 and state["loop"] == {"step": 5}
-    assert state["files"] == {p.name: p.stat().st_size for p in newest.iterdir() if p.name != "trainer_state.json"}
+    assert (state["format"], state["step"], state["loop"], state["scheduler"]) == (2, 5, {"step": 5}, schedule)
+    assert state["files"] == {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                              for p in newest.iterdir() if p.name != "trainer_state.json"}
     assert {"model.safetensors", "optimizer.pt", "scaler.pt", "rng.pt"} <= state["files"].keys()
+    assert corruption(newest, state) is None
 
     weights = newest / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-1])  # a write cut short
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # a flipped bit: still complete (every size agrees), no longer intact
+    weights.write_bytes(bytes(data))
+    assert read_state(newest) == state
+    assert corruption(newest, state) == "model.safetensors does not match the sha256 recorded when it was saved"
+    weights.write_bytes(bytes(data[:-1]))  # a write cut short
     assert read_state(newest) is None
     assert latest_checkpoint(tmp_path).name == "step_000004"
     (tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").unlink()

@@ -251,3 +251,15 @@ def locks(session: nox.Session) -> None:
     The one session that cannot install from a lock (it makes them): it pins uv exactly."""
     session.install(f"uv=={BUILD.UV_VERSION}")
     session.run("python", "docker/build.py", "locks", *session.posargs)
+
+
+@nox.session(python=LOCK_PYTHON, default=False)
+def mutants(session: nox.Session) -> None:
+    """Mutation testing of the training core (tests/mutants.py): small deliberate bugs in the step,
+    loop, checkpoint, schedule and batch code, one at a time on a temporary copy, each of which the
+    tests must catch; prints the score and the survivors, writes runs/mutants/report.json.
+
+    A periodic check, not CI. `-- --max 40 --seed 1` samples 40 generated mutants (plus the
+    curated ones, always run); `-- --module ptbr/backends/torch/step.py` one module; `-- --jobs 4` in parallel."""
+    install_locked(session, lock_for(session, "tests"))
+    session.run("python", "tests/mutants.py", *session.posargs)

@@ -192,7 +192,7 @@ def test_the_local_torch_wheel_matches_its_hash():
 # --- the sessions install from the locks ---------------------------------------------------------
 
 
-SESSION_NAMES = {"tests", "lint", "smoke", "preflight", "bench", "build", "image_smoke", "locks", "kaggle", "mac"}
+SESSION_NAMES = {"tests", "lint", "smoke", "preflight", "bench", "build", "image_smoke", "locks", "kaggle", "mac", "mutants"}
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,8 @@ def test_every_session_is_checked_here(noxfile):
 
 
 @pytest.mark.parametrize("session, posargs", [("tests", []), ("smoke", []), ("preflight", []),
-                                              ("bench", []), ("bench", ["--device", "cuda"]), ("kaggle", ["push"])])
+                                              ("bench", []), ("bench", ["--device", "cuda"]), ("kaggle", ["push"]),
+                                              ("mutants", [])])
 def test_sessions_install_the_lock_then_the_checkout_without_dependencies(noxfile, session, posargs, tmp_path):
     try:
         listed = commands(noxfile, session, tmp_path, posargs)
@@ -262,8 +263,8 @@ def test_sessions_install_the_lock_then_the_checkout_without_dependencies(noxfil
     assert checkout_install == ("--no-deps", "--no-build-isolation", "-e", ".")
     assert noxfile.sessions[session].python == BUILD.IMAGE_PYTHON, "the Python the locks are resolved for"
     if (platform.system(), platform.machine()) == ("Linux", "x86_64"):
-        expected = {"tests": "ci.txt", "kaggle": "ci.txt", "bench": "cuda.txt" if posargs else "cpu.txt"}.get(
-            session, "cpu.txt")
+        expected = {"tests": "ci.txt", "kaggle": "ci.txt", "mutants": "ci.txt",
+                    "bench": "cuda.txt" if posargs else "cpu.txt"}.get(session, "cpu.txt")
         assert lock.name == expected
 
 

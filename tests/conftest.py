@@ -91,3 +91,16 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "ptbr", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd)
+
+
+@pytest.fixture(autouse=True)
+def _open_file_limit_kept():
+    """No test may lower the process's hard open-file limit: nothing can raise it again, and every
+    later test's containers and subprocesses would inherit it (mlx-lm lowers it when imported; ptbr
+    imports it through ptbr/backends/mlx/file_limit.py, and so must tests)."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    yield
+    after = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert after == before, f"the hard open-file limit went from {before} to {after} during this test"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,12 @@ import tests.test_finetune as finetune_tests
 from ptbr.cli import main
 
 pytest.importorskip("mlx.core")
-pytest.importorskip("mlx_lm")
+try:  # through ptbr, as ptbr imports it: a plain `import mlx_lm` lowers the open-file limit for good
+    from ptbr.backends.mlx.file_limit import load_mlx_lm
+
+    load_mlx_lm()
+except ImportError:
+    pytest.skip("mlx_lm is not installed", allow_module_level=True)
 
 toy = finetune_tests.toy  # a tiny Mistral base (hidden 64, 2 layers, GQA) and chat data
 REPO = Path(__file__).resolve().parents[1]
@@ -192,6 +199,7 @@ def test_lora_step_matches_peft_on_the_same_adapter(toy, tmp_path):
 @pytest.fixture(scope="module")
 def quantized_base(toy, tmp_path_factory):
     """The toy base converted by mlx-lm itself to MLX's 4-bit format (mlx_lm.convert -q)."""
+    load_mlx_lm()
     from mlx_lm import convert
 
     path = tmp_path_factory.mktemp("mlx4") / "base"
@@ -202,7 +210,7 @@ def quantized_base(toy, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["none", "4bit"])
 def test_finetune_learns_and_the_adapter_loads_in_mlx_lm_and_in_peft(toy, quantized_base, tmp_path, quant):
-    import mlx_lm
+    mlx_lm = load_mlx_lm()
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -305,7 +313,7 @@ def test_pretraining_through_the_cli_learns_and_final_loads_in_transformers_and_
     import gc
 
     import mlx.core as mx
-    import mlx_lm
+    mlx_lm = load_mlx_lm()
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -482,3 +490,22 @@ def test_auto_fit_halves_the_micro_batch_on_an_mlx_out_of_memory(toy, tmp_path, 
     assert code == 0 and rows[:3] == [8, 4, 2]
     summary = json.loads((tmp_path / "o" / "run_config.json").read_text())["settings"]
     assert (summary["batch_size"], summary["grad_accum"]) == (2, 4)
+
+
+def test_loading_mlx_lm_keeps_the_hard_open_file_limit():
+    """mlx-lm sets RLIMIT_NOFILE to (2048, 4096) when imported; through ptbr the soft limit may rise,
+    the hard one stays (a fresh process: this one has loaded mlx-lm already)."""
+    script = ("import resource, sys\n"
+              "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))\n"
+              "from ptbr.backends.mlx.file_limit import load_mlx_lm\n"
+              "load_mlx_lm()\n"
+              "import mlx_lm.utils\n"
+              "print(*resource.getrlimit(resource.RLIMIT_NOFILE), hard)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
+    soft, hard, original_hard = (int(v) for v in out.stdout.split())
+    assert hard == original_hard and soft == min(2048, original_hard)
+    plain = subprocess.run([sys.executable, "-c", "import resource, mlx_lm; "
+                            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[1])"],
+                           capture_output=True, text=True, check=True, cwd=REPO)
+    assert int(plain.stdout) == min(4096, original_hard)  # what the guard prevents; fails once mlx-lm stops doing it

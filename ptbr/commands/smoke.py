@@ -67,6 +67,10 @@ def _check_torch(output: Path) -> tuple[int, str]:
 def _check_mlx(output: Path) -> tuple[int, str]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
+
+    from ptbr.backends.mlx.file_limit import load_mlx_lm
+
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.utils import load_model
 
     from ptbr.train.checkpoint import checkpoint_path

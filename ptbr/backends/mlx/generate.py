@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ModelError
 
 
 def load_for_generation(model_dir: Path, adapter: Path | None):
     """The model of `model_dir` (a checked local directory) with the mlx-lm adapter in `adapter`."""
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.utils import load_adapters, load_model
 
     from ptbr.backends.mlx.lora import rope_settings
@@ -35,6 +37,7 @@ def generate(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: in
              seed: int) -> list[int]:
     """The new token ids after `prompt_ids`: greedy at temperature 0, else sampled among the top k."""
     import mlx.core as mx
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 

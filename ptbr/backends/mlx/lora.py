@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ConfigError, ModelError
 from ptbr.finetune.base import check_base, load_error, read_config
 from ptbr.log import log
@@ -164,6 +165,7 @@ def resolve_keys(model, requested: str | None) -> tuple[list[str], list[str]]:
 def load_base(settings, dtype):
     """The base as an mlx-lm model in `dtype` (quantized per --quant), with its config.json."""
     import mlx.core as mx
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.utils import load_model
 
     from ptbr.backends.mlx.models import global_generator
@@ -212,6 +214,7 @@ def adapt(model, config: dict, base: str, quantization: dict | None, settings) -
     draws lora_a uniformly (lora_b is zero) from MLX's global generator: it is seeded with --seed
     for that and put back as it was, so the adapter depends on the seed alone."""
     import mlx.core as mx
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from ptbr.backends.mlx.models import checkpoint_layers, count_parameters, global_generator

@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ModelError
 
 SHARD_BYTES = 5 * 1024**3  # transformers' default shard size
@@ -22,6 +23,7 @@ def merge_into(base: str, adapter: Path, directory: Path, dtype: str, download: 
     merged weights' dtype."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.utils import load_adapters, load_model, make_shards
 
     from ptbr.backends.mlx.lora import base_quantization, local_model_dir, rope_settings

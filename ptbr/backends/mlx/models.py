@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.config import ModelPreset
 
 INITIALIZER_RANGE = 0.02  # transformers' LlamaConfig default
@@ -33,6 +34,7 @@ def global_generator(seed: int | None = None) -> Iterator[None]:
 def model_args(preset: ModelPreset, vocab_size: int):
     """mlx-lm's ModelArgs for a preset. tie_word_embeddings is always given: mlx-lm defaults it to
     true and would then drop an untied model's lm_head."""
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.models.llama import ModelArgs
 
     return ModelArgs(model_type="llama", hidden_size=preset.hidden_size, num_hidden_layers=preset.num_layers,
@@ -81,6 +83,7 @@ def build_model(preset: ModelPreset, vocab_size: int, seed: int, pad_id: int | N
     touched."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
+    load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.models.llama import Model
 
     with global_generator():  # the constructor's random weights are replaced below

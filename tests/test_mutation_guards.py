@@ -503,6 +503,22 @@ def test_a_checkpoint_counts_when_every_file_has_its_recorded_size_and_is_intact
     assert latest_checkpoint(tmp_path) is None
 
 
+@pytest.mark.parametrize("field, value", [("elapsed_s", "soon"), ("best_val_loss", "low"), ("best_step", [3]),
+                                          ("tokens_seen", 1.5)])
+def test_a_trainer_state_with_a_malformed_loop_value_is_not_a_checkpoint(tmp_path, field, value):
+    step = backend(tiny_model())
+    schedule = {"peak_lr": 1e-3, "warmup_steps": 0, "horizon": 5, "min_lr_ratio": 0.1}
+    save_checkpoint(tmp_path, 1, step, {"loop": {"step": 1, "elapsed_s": 2.5, "best_val_loss": 3.0, "best_step": 1,
+                                                 "tokens_seen": 64}, "scheduler": schedule}, 0)
+    newest = latest_checkpoint(tmp_path)
+    assert read_state(newest) is not None
+    path = newest / "trainer_state.json"
+    state = json.loads(path.read_text())
+    state["loop"][field] = value
+    path.write_text(json.dumps(state))
+    assert read_state(newest) is None and latest_checkpoint(tmp_path) is None
+
+
 # ---- token files: every check looks at every token ----------------------------------------------
 
 
@@ -540,6 +556,20 @@ def test_open_dataset_refuses_what_disagrees_with_meta_and_an_empty_train_bin(da
     assert "no val.bin: training will not evaluate" in describe(open_dataset(dataset_dir))["warnings"]
     (dataset_dir / "train.bin").write_bytes(b"")
     assert problem_with(train_tokens=0) == "train.bin is empty"
+
+
+def test_a_dataset_without_meta_json_refuses_an_id_equal_to_the_vocab_size(dataset_dir):
+    """Datasets of an older ptbr have no meta.json; their ids are checked against the tokenizer."""
+    (dataset_dir / "meta.json").unlink()
+    tokens = np.fromfile(dataset_dir / "train.bin", dtype="<u2")
+    tokens[len(tokens) // 2] = 399  # the largest id of a 400-token vocabulary
+    tokens.tofile(dataset_dir / "train.bin")
+    assert open_dataset(dataset_dir).vocab_size == 400
+    tokens[len(tokens) // 2] = 400
+    tokens.tofile(dataset_dir / "train.bin")
+    with pytest.raises(DataError) as info:
+        open_dataset(dataset_dir)
+    assert info.value.what == "train.bin holds token id 400 >= vocab size 400: wrong tokenizer or wrong dtype"
 
 
 # ---- a train.bin shorter than one window ---------------------------------------------------------

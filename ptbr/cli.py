@@ -28,8 +28,8 @@ from ptbr.config import (
 )
 from ptbr.errors import EXIT_CODES
 from ptbr.flags import add_preflight_flags, add_settings_flags, setting_default
-from ptbr.kaggle.bundle import BundleSettings
 from ptbr.kaggle.layout import POLL_SECONDS
+from ptbr.kaggle.settings import BundleSettings
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
 # 128 + SIGPIPE: the status a shell shows for git or ls when `| head` stops reading

@@ -9,7 +9,8 @@ from ptbr.errors import ConfigError
 
 def main(args) -> int:
     if args.kaggle_action == "bundle":
-        from ptbr.kaggle.bundle import BundleSettings, make_bundle
+        from ptbr.kaggle.bundle import make_bundle
+        from ptbr.kaggle.settings import BundleSettings
 
         make_bundle(BundleSettings(
             output=args.output, owner=args.owner, slug=args.slug, mode=args.mode, data=args.data, config=args.config,

@@ -27,7 +27,6 @@ No credential is read here: a bundle holds none.
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 import tempfile
@@ -45,18 +44,16 @@ from ptbr.kaggle.layout import (
     DATASET,
     DATASET_METADATA,
     KAGGLE_MODEL,
-    KAGGLE_PYTHON,
     KAGGLE_RUN_DEFAULTS,
     KERNEL,
     KERNEL_FILE,
     KERNEL_METADATA,
     SETTINGS_FILE,
-    STOP_AFTER_HOURS,
     WHEELS,
-    id_problems,
     is_bundle,
     kernel_title,
 )
+from ptbr.kaggle.settings import BundleSettings
 from ptbr.log import log
 
 # Settings that name files on this machine, and resume: the kernel passes its own (--data, --base,
@@ -67,63 +64,9 @@ KAGGLE_DEVICES = ("auto", "cuda", "cpu")
 KAGGLE_BACKENDS = ("auto", "torch")
 # Never bundled: Kaggle's image ships a CUDA build of torch, with the libraries only it needs.
 LEFT_TO_KAGGLE = "torch"
-# --env: a variable's name, and the names a credential goes by (refused: a bundle is uploaded).
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SECRET_NAME = re.compile(r"KAGGLE|TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL|AUTH", re.IGNORECASE)
 # The platform pyproject's markers are read for: Kaggle's machines.
 KAGGLE_MARKERS = {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
                   "os_name": "posix", "implementation_name": "cpython"}
-
-
-@dataclass(frozen=True)
-class BundleSettings:
-    """What `ptbr kaggle bundle` makes (the CLI's flags; defaults live here)."""
-
-    output: str
-    owner: str
-    slug: str
-    mode: str = "pretrain"
-    data: str | None = None
-    config: str | None = None
-    base: str | None = None
-    title: str | None = None  # the dataset's and the kernel's title (default: the slug)
-    python_version: str = KAGGLE_PYTHON
-    resume_from_previous: bool = False
-    stop_after_hours: float = STOP_AFTER_HOURS
-    env: tuple[str, ...] = ()  # NAME=VALUE for ptbr's processes in the kernel, e.g. NCCL_P2P_DISABLE=1
-
-    @property
-    def id(self) -> str:
-        return f"{self.owner}/{self.slug}"
-
-    def problems(self) -> list[str]:
-        found = id_problems(self.owner, self.slug, self.title or self.slug)
-        # "" is no path (Path("") is the current directory, and an empty --data would mean the sample)
-        for flag, value in (("--output", self.output), ("--data", self.data), ("--config", self.config),
-                            ("--base", self.base)):
-            if value == "":
-                found.append(f"{flag} must be a path, got an empty one")
-        if self.mode not in MODES:
-            found.append(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not re.match(r"^3\.\d+$", self.python_version or ""):
-            found.append(f"--python-version must be a CPython version such as {KAGGLE_PYTHON}, got "
-                         f"{self.python_version!r}")
-        if not (isinstance(self.stop_after_hours, (int, float)) and math.isfinite(self.stop_after_hours)
-                and 0 < self.stop_after_hours <= 12):
-            found.append(f"--stop-after-hours must be within (0, 12] (Kaggle's GPU sessions end after 12 h), got "
-                         f"{self.stop_after_hours!r}")
-        if self.mode == "pretrain" and self.base:
-            found.append("--base is for --mode finetune")
-        for setting in self.env:
-            name = setting.split("=", 1)[0]
-            if "=" not in setting or not ENV_NAME.match(name):
-                found.append(f"--env {setting!r} is not NAME=VALUE")
-            elif SECRET_NAME.search(name):
-                found.append(f"--env {name}: a bundle holds no credentials (the kernel needs none)")
-        return found
-
-    def environment(self) -> dict[str, str]:
-        return dict(setting.split("=", 1) for setting in self.env)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,21 @@ def first_step_reported(ends: list[float]) -> None:
 # ---- pretraining ------------------------------------------------------------------------------
 
 
+def step_clock(spec: dict, ends: list[float]):
+    """A Trainer callback that appends the time each optimizer step ends to `ends`."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if spec["device"] == "cuda":
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+            first_step_reported(ends)
+
+    return StepClock()
+
+
 def pretrain_batches(spec: dict):
     """The sample dataset and the batches ptbr draws for each step (a pure function of the step)."""
     from ptbr.data import SAMPLE_DIR
@@ -88,7 +103,7 @@ def build_reference_model(spec: dict, dataset):
 def hf_pretrain(spec: dict) -> None:
     """transformers' Trainer on the same LlamaForCausalLM and token windows."""
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     dataset, source = pretrain_batches(spec)
     total = spec["warmup"] + spec["steps"] + 1
@@ -97,20 +112,13 @@ def hf_pretrain(spec: dict) -> None:
     model = build_reference_model(spec, dataset)
     ends: list[float] = []
 
-    class StepClock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if spec["device"] == "cuda":
-                torch.cuda.synchronize()
-            ends.append(time.perf_counter())
-            first_step_reported(ends)
-
     args = TrainingArguments(
         output_dir=spec["output"], per_device_train_batch_size=spec["batch_size"], max_steps=total,
         learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         lr_scheduler_type="cosine", warmup_steps=1, optim="adamw_torch_fused", logging_steps=10,
         save_strategy="no", report_to="none", dataloader_num_workers=0, use_cpu=spec["device"] == "cpu",
         bf16=spec["precision"] == "bf16", fp16=spec["precision"] == "fp16", disable_tqdm=True, seed=1337)
-    Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepClock()]).train()
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[step_clock(spec, ends)]).train()
     report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "peak_memory_bytes": peak_memory_bytes(spec["device"])})
 
 
@@ -184,7 +192,6 @@ def hf_finetune(spec: dict) -> None:
         BitsAndBytesConfig,
         DataCollatorForLanguageModeling,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
     )
 
@@ -210,13 +217,6 @@ def hf_finetune(spec: dict) -> None:
                                              target_modules="all-linear", task_type="CAUSAL_LM"))
     ends: list[float] = []
 
-    class StepClock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if spec["device"] == "cuda":
-                torch.cuda.synchronize()
-            ends.append(time.perf_counter())
-            first_step_reported(ends)
-
     total = spec["warmup"] + spec["steps"] + 1
     args = TrainingArguments(
         output_dir=spec["output"], per_device_train_batch_size=spec["batch_size"], max_steps=total,
@@ -224,7 +224,7 @@ def hf_finetune(spec: dict) -> None:
         optim="adamw_torch_fused", logging_steps=10, save_strategy="no", report_to="none",
         dataloader_num_workers=0, use_cpu=spec["device"] == "cpu", bf16=spec["precision"] == "bf16",
         fp16=spec["precision"] == "fp16", disable_tqdm=True, seed=0)
-    Trainer(model=model, args=args, train_dataset=rows, callbacks=[StepClock()],
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[step_clock(spec, ends)],
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False)).train()
     report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "peak_memory_bytes": peak_memory_bytes(spec["device"])})
 

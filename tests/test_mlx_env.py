@@ -4,7 +4,6 @@ adapters; and `nox -s mac`, which installs the same subset of locks/macos.txt on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import platform
@@ -16,27 +15,17 @@ from pathlib import Path
 import pytest
 
 import tests.test_finetune as finetune_tests
+import tests.test_locks as lock_tests
 
 pytest.importorskip("mlx.core")
-nox = pytest.importorskip("nox")
+pytest.importorskip("nox")
 
 toy = finetune_tests.toy
+noxfile = lock_tests.noxfile  # noxfile.py loaded as nox loads it
+SessionQuit = lock_tests.SessionQuit
 REPO = Path(__file__).resolve().parents[1]
 # downloaded once per checkout (ignored by git), then every install reads it with --no-index
 WHEELS = REPO / ".cache" / "mlx-path-wheels"
-
-
-@pytest.fixture(scope="module")
-def noxfile():
-    spec = importlib.util.spec_from_file_location("ptbr_noxfile_mlx", REPO / "noxfile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.sessions = nox.registry.get()
-    return module
-
-
-class SessionQuit(Exception):
-    pass
 
 
 class Recorder:

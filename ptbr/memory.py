@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from ptbr.config import ModelPreset
+from ptbr.config import ModelPreset, lora_dropout_impl
 
 GIB = 1024**3
 MIB = 1024**2
@@ -180,8 +180,9 @@ def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, ran
       it back, one 16-bit copy per adapter. In fp32 without dropout adapters share their input
       (q, k, v the first norm's output, gate and up the second's, o attention's output, saved
       already); with dropout each adapter keeps its own dropout output.
-    Dropout also keeps a mask per adapted input: `dropout_mask` bytes per value (a bool on CUDA,
-    an fp32 noise tensor elsewhere; peft drops out the fp32 input).
+    Dropout also keeps a mask per adapted input: `dropout_mask` bytes per value (a bool with
+    --lora-dropout-impl packed and with torch's on CUDA, torch's fp32 noise tensor on a CPU; peft
+    drops out the fp32 input).
     """
     h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
     inputs = {"q": h, "k": h, "v": h, "o": a, "gate": h, "up": h, "down": i}
@@ -267,7 +268,7 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
                          quant: str | None = "nf4", precision: str = "bf16", gradient_checkpointing: bool = False,
                          lora_dropout: bool = True, overhead: int = 0,
                          targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down"),
-                         device: str = "cuda") -> MemoryEstimate:
+                         device: str = "cuda", dropout_impl: str = "auto") -> MemoryEstimate:
     """Predicted peak bytes of LoRA (quant=None) or QLoRA (quant="nf4", "int8"; "mlx4" on MLX), as
     ptbr.backends.torch.lora builds it.
 
@@ -293,7 +294,9 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         base = round(QUANT_BYTES[quant] * arch.linear_parameters) + 4 * other
         residual = 4
     adapters = arch.lora_parameters(lora_rank, targets)
-    mask = (1 if device == "cuda" else 4) if lora_dropout else 0
+    # a bool per value (packed, or torch's on CUDA); torch's on a CPU keeps an fp32 noise tensor
+    bool_mask = device == "cuda" or lora_dropout_impl(dropout_impl, device) == "packed"
+    mask = (1 if bool_mask else 4) if lora_dropout else 0
     per_layer = _lora_layer_inventory(arch, compute, quant is not None, lora_rank, mask, targets) * tokens
     head = (8 + 4 * arch.hidden_size + 4) * tokens  # ids, the final RMSNorm's fp32 input, rsqrt
     head += 2 * seq_len * arch.attention_dim // arch.num_heads * residual  # RoPE's cos and sin, shared by the layers
@@ -378,7 +381,8 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
         return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards)
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
-                                targets=lora_targets(settings.target_modules), device=target)
+                                targets=lora_targets(settings.target_modules), device=target,
+                                dropout_impl=settings.lora_dropout_impl)
 
 
 # --------------------------------------------------------------------------------------------

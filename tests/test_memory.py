@@ -168,7 +168,7 @@ ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def _lora_backend(tmp_path, layers: int, quant: str, precision: str, dropout: float, checkpointing: bool = False,
-                  target_modules: str | None = None):
+                  target_modules: str | None = None, dropout_impl: str = "auto"):
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -185,7 +185,8 @@ def _lora_backend(tmp_path, layers: int, quant: str, precision: str, dropout: fl
             torch.manual_seed(0)
             MistralForCausalLM(config).save_pretrained(base)
     settings = FinetuneConfig(base=str(base), data="unused", quant=quant, lora_r=8, lora_dropout=dropout,
-                              gradient_checkpointing=checkpointing, target_modules=target_modules)
+                              gradient_checkpointing=checkpointing, target_modules=target_modules,
+                              lora_dropout_impl=dropout_impl)
     placement = resolve_precision(torch.device("cpu"), precision)
     model = load_model(settings, placement).model
     backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
@@ -202,8 +203,8 @@ def _lora_saved_bytes(backend, placement, batch: int, seq: int) -> int:
 
 @pytest.mark.parametrize("quant", ["none", "4bit"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_lora_layer_inventory_is_exactly_what_autograd_saves(tmp_path, quant, precision, dropout):
+@pytest.mark.parametrize("dropout, impl", [(0.0, "auto"), (0.1, "packed"), (0.1, "torch")])
+def test_lora_layer_inventory_is_exactly_what_autograd_saves(tmp_path, quant, precision, dropout, impl):
     """What one more decoder layer adds to the saved tensors of a real LoRA/QLoRA forward, byte for
     byte: the layer inventory per token, plus autocast's 16-bit copies of that layer's adapters."""
     from ptbr.memory import _lora_layer_inventory
@@ -211,38 +212,40 @@ def test_lora_layer_inventory_is_exactly_what_autograd_saves(tmp_path, quant, pr
     batch, seq = 2, 16
     saved = {}
     for layers in (2, 3):
-        backend, placement, arch = _lora_backend(tmp_path, layers, quant, precision, dropout)
+        backend, placement, arch = _lora_backend(tmp_path, layers, quant, precision, dropout, dropout_impl=impl)
         saved[layers] = _lora_saved_bytes(backend, placement, batch, seq)
     compute = 4 if precision == "fp32" else 2
-    mask = 4 if dropout else 0  # on CPU dropout keeps an fp32 noise tensor (a bool mask on CUDA)
+    # packed masks are bools; torch's dropout on a CPU keeps an fp32 noise tensor (a bool on CUDA)
+    mask = {"packed": 1, "torch": 4}[impl] if dropout else 0
     per_token = _lora_layer_inventory(arch, compute, quant != "none", 8, mask, ALL_TARGETS)
     adapter_copies = 0 if compute == 4 else compute * arch.lora_parameters(8) // arch.num_layers
     assert saved[3] - saved[2] == per_token * batch * seq + adapter_copies
 
 
-@pytest.mark.parametrize("quant, precision, dropout, checkpointing, targets, tolerance", [
+@pytest.mark.parametrize("quant, precision, dropout, checkpointing, targets, impl, tolerance", [
     # no checkpointing: the peak is the start of the backward pass, predicted within 1%
-    ("none", "fp32", 0.0, False, None, 0.01),
-    ("none", "bf16", 0.1, False, None, 0.01),
-    ("4bit", "fp32", 0.1, False, None, 0.01),
-    ("4bit", "bf16", 0.1, False, None, 0.01),
-    ("4bit", "bf16", 0.1, False, "q_proj,v_proj", 0.01),
+    ("none", "fp32", 0.0, False, None, "auto", 0.01),
+    ("none", "bf16", 0.1, False, None, "auto", 0.01),
+    ("4bit", "fp32", 0.1, False, None, "auto", 0.01),
+    ("4bit", "fp32", 0.1, False, None, "torch", 0.01),
+    ("4bit", "bf16", 0.1, False, None, "auto", 0.01),
+    ("4bit", "bf16", 0.1, False, "q_proj,v_proj", "auto", 0.01),
     # checkpointing: the recomputed layer's backward, predicted within 15% (README)
-    ("none", "bf16", 0.1, True, None, 0.15),
-    ("4bit", "bf16", 0.0, True, None, 0.15),
-    ("4bit", "fp32", 0.1, True, None, 0.15),
+    ("none", "bf16", 0.1, True, None, "auto", 0.15),
+    ("4bit", "bf16", 0.0, True, None, "auto", 0.15),
+    ("4bit", "fp32", 0.1, True, None, "auto", 0.15),
 ])
 def test_lora_predicted_peak_is_the_allocated_peak_of_a_real_step(tmp_path, quant, precision, dropout, checkpointing,
-                                                                  targets, tolerance):
+                                                                  targets, impl, tolerance):
     from ptbr.memory import lora_targets
 
     batch, seq = 8, 128
-    backend, placement, arch = _lora_backend(tmp_path, 3, quant, precision, dropout, checkpointing, targets)
+    backend, placement, arch = _lora_backend(tmp_path, 3, quant, precision, dropout, checkpointing, targets, impl)
     ids = np.random.default_rng(0).integers(0, 512, size=(batch, seq))
     step = {"input_ids": ids, "labels": ids, "attention_mask": np.ones_like(ids)}
     backend.train_step([step], 1e-3)  # AdamW's state exists from here on
     measured = _allocated_peak(backend, step)
     predicted = estimate_lora_memory(arch, batch, seq, 8, None if quant == "none" else "nf4", precision,
                                      checkpointing, lora_dropout=dropout > 0,
-                                     targets=lora_targets(targets), device="cpu").total
+                                     targets=lora_targets(targets), device="cpu", dropout_impl=impl).total
     assert predicted == pytest.approx(measured, rel=tolerance)

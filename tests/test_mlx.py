@@ -465,6 +465,8 @@ def test_mlx_errors_are_one_line_with_their_exit_codes(toy, tmp_path, capsys, mo
     assert code == 2 and "2 problems: --num-processes 2: data parallelism runs on the torch backend; --fsdp" in err
     code, err = error_of("train", "--backend", "mlx", "--output", str(tmp_path / "p"), "--fsdp")
     assert code == 2 and "--fsdp: sharding among processes runs on the torch backend" in err
+    code, err = error_of("finetune", *common, "--lora-dropout-impl", "packed")
+    assert code == 2 and "--lora-dropout-impl packed: a torch backend option" in err
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun starts its workers
     code, err = error_of("train", "--backend", "mlx", "--output", str(tmp_path / "p"))
     assert code == 2 and "started as one of 2 processes" in err

@@ -26,7 +26,7 @@ def processes_to_launch(settings) -> int:
 
     inside = os.environ.get("WORLD_SIZE")
     if resolve_name(settings.backend) == "mlx":
-        refuse_parallel_mlx(settings, inside)
+        refuse_torch_options_on_mlx(settings, inside)
         return 1
     if inside:
         if settings.num_processes not in ("auto", "1", inside):
@@ -42,14 +42,17 @@ def processes_to_launch(settings) -> int:
     return int(settings.num_processes)
 
 
-def refuse_parallel_mlx(settings, inside: str | None) -> None:
-    """The MLX backend trains in one process: data parallelism and FSDP are torch's. --num-processes
-    auto means one process there (no CUDA GPUs to spread over)."""
+def refuse_torch_options_on_mlx(settings, inside: str | None) -> None:
+    """The MLX backend trains in one process: data parallelism and FSDP are torch's, and so is
+    --lora-dropout-impl. --num-processes auto means one process there (no CUDA GPUs to spread over)."""
     problems = []
     if settings.num_processes not in ("1", "auto"):
         problems.append(f"--num-processes {settings.num_processes}: data parallelism runs on the torch backend")
     if getattr(settings, "fsdp", False):
         problems.append("--fsdp: sharding among processes runs on the torch backend")
+    if getattr(settings, "lora_dropout_impl", "auto") != "auto":
+        problems.append(f"--lora-dropout-impl {settings.lora_dropout_impl}: a torch backend option (MLX draws its "
+                        "own dropout masks)")
     if inside and inside != "1":
         problems.append(f"started as one of {inside} processes (torchrun / accelerate launch): the MLX backend "
                         "trains in one")

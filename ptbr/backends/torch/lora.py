@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ptbr.config import lora_dropout_impl
 from ptbr.errors import ConfigError, DeviceError, ModelError
 from ptbr.finetune.base import check_base, load_error, local_path
 from ptbr.log import log
@@ -172,8 +173,16 @@ def load_model(settings, placement) -> AdaptedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         model = get_peft_model(base, lora)
+    dropout = ""
+    if settings.lora_dropout > 0:
+        impl = lora_dropout_impl(settings.lora_dropout_impl, placement.device.type)
+        if impl == "packed":
+            from ptbr.backends.torch.dropout import pack_lora_dropout
+
+            pack_lora_dropout(model)
+        dropout = f", dropout {settings.lora_dropout:g} ({impl} masks)"
     trainable, total = model.get_nb_trainable_parameters()
-    log(f"LoRA r={settings.lora_r} alpha={settings.lora_alpha} on {', '.join(targets)}: "
+    log(f"LoRA r={settings.lora_r} alpha={settings.lora_alpha} on {', '.join(targets)}{dropout}: "
         f"{trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.3f}%)")
     return AdaptedModel(model, targets, trainable, total)
 

@@ -109,3 +109,31 @@ def test_pack_lora_dropout_replaces_peft_dropouts_only():
     model(input_ids=ids, labels=ids).loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]  # B starts at zero, A does not
     assert len(grads) == 6 and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_gradient_checkpointing_recomputes_the_same_masks():
+    """Non-reentrant checkpointing re-runs each layer's forward in the backward pass, restoring the
+    RNG state first: the packed masks drawn again are the same, so the gradients equal those of a
+    run without checkpointing."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    grads = []
+    for checkpointing in (False, True):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2)
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(config)
+        if checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.config.use_cache = False
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules="all-linear"))
+        assert pack_lora_dropout(model) == 14
+        model.train()
+        ids = torch.randint(0, 64, (2, 12))
+        torch.manual_seed(1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)

@@ -270,6 +270,26 @@ def test_load_state_restores_the_torch_rng_a_run_saved(tmp_path):
     assert torch.equal(torch.rand(8), uninterrupted)
 
 
+@pytest.mark.parametrize("saved_by", ["this ptbr", "an earlier ptbr"])
+def test_an_optimizer_state_resumes_exactly_whoever_numbered_it(tmp_path, saved_by):
+    """optimizer.pt is keyed by parameter name; an earlier ptbr saved torch's own numbering (0, 1,
+    ...). Either way the resumed AdamW continues with the saved moments: the next update equals
+    the uninterrupted run's, bit for bit."""
+    step = trained_backend()
+    step.save_state(tmp_path)
+    if saved_by == "an earlier ptbr":
+        torch.save(step.optimizer.state_dict(), tmp_path / "optimizer.pt")
+    step.train_step(uneven_micro_batches(), lr=1e-2)
+    uninterrupted = params_of(step.model)
+
+    fresh = tiny_model(seed=5)  # other weights, an empty optimizer: all of it comes from the files
+    resumed = backend(fresh, adamw(fresh), max_grad_norm=1.0)
+    resumed.load_state(tmp_path)
+    assert float(resumed.optimizer.state_dict()["state"][0]["step"]) == 1
+    resumed.train_step(uneven_micro_batches(), lr=1e-2)
+    assert_same_tensors(params_of(fresh), uninterrupted, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_load_state_restores_the_cuda_rng_too(tmp_path):

@@ -86,6 +86,32 @@ def oom_above(monkeypatch):
     return install
 
 
+@pytest.fixture
+def crash_then_resume(monkeypatch):
+    """crash_then_resume(step_class, at, run): run() with step_class.train_step raising on its
+    `at`-th call (a crash mid-run: the checkpoints written before it stay), then run() again with
+    the real step, which resumes; returns that second run's result."""
+
+    def crash(step_class, at: int, run):
+        real = step_class.train_step
+        calls = 0
+
+        def step(self, micro_batches, lr):
+            nonlocal calls
+            calls += 1
+            if calls == at:
+                raise RuntimeError("simulated crash")
+            return real(self, micro_batches, lr)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(step_class, "train_step", step)
+            with pytest.raises(RuntimeError, match="simulated crash"):
+                run()
+        return run()
+
+    return crash
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None):
     """The real `ptbr` CLI in a subprocess (python -m ptbr)."""
     full_env = dict(os.environ, **(env or {}))

@@ -227,7 +227,7 @@ def test_qlora_4bit_on_cpu_learns_and_the_adapter_reloads_in_peft(toy, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["none", "4bit"])
-def test_resume_is_exact(toy, tmp_path, monkeypatch, quant):
+def test_resume_is_exact(toy, tmp_path, crash_then_resume, quant):
     import torch
     from safetensors.torch import load_file
 
@@ -243,20 +243,7 @@ def test_resume_is_exact(toy, tmp_path, monkeypatch, quant):
     straight = run("straight")
     assert straight.source.steps_per_epoch == 3 and [len(straight.source.cycle(s)) for s in range(4)] == [2, 2, 1, 2]
 
-    calls = {"n": 0}
-    original = TorchStep.train_step
-
-    def crash_on_third_step(self, micro_batches, lr):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated crash")
-        return original(self, micro_batches, lr)
-
-    monkeypatch.setattr(TorchStep, "train_step", crash_on_third_step)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run("resumed")
-    monkeypatch.setattr(TorchStep, "train_step", original)
-    resumed = run("resumed")  # --resume auto: from checkpoints/step_000002
+    resumed = crash_then_resume(TorchStep, 3, lambda: run("resumed"))  # --resume auto: from checkpoints/step_000002
     assert json.loads((tmp_path / "resumed" / "run_config.json").read_text())["resumed_from"].endswith("step_000002")
 
     for path in ("checkpoints/step_000004/adapter_model.safetensors", "adapters/adapter_model.safetensors"):

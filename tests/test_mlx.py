@@ -258,7 +258,7 @@ def test_qlora_on_a_base_quantized_by_mlx_lm_is_the_in_memory_qlora(toy, quantiz
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["finetune", "pretrain"])
-def test_resume_is_exact(toy, tmp_path, monkeypatch, mode):
+def test_resume_is_exact(toy, tmp_path, crash_then_resume, mode):
     """10 steps straight and 5 + a crash + resume give bit-identical weights, optimizer state and
     metrics (QLoRA with LoRA dropout: MLX's random key resumes too)."""
     import mlx.core as mx
@@ -277,20 +277,7 @@ def test_resume_is_exact(toy, tmp_path, monkeypatch, mode):
                                            eval_batches=2))
 
     run("straight")
-    calls = {"n": 0}
-    original = MlxStep.train_step
-
-    def crash_on_sixth_step(self, micro_batches, lr):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("simulated crash")
-        return original(self, micro_batches, lr)
-
-    monkeypatch.setattr(MlxStep, "train_step", crash_on_sixth_step)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run("resumed")
-    monkeypatch.setattr(MlxStep, "train_step", original)
-    run("resumed")
+    crash_then_resume(MlxStep, 6, lambda: run("resumed"))
     assert json.loads((tmp_path / "resumed" / "run_config.json").read_text())["resumed_from"].endswith("step_000005")
     weights = "adapters.safetensors" if mode == "finetune" else "model.safetensors"
     for name in (weights, "optimizer.safetensors", "rng.json"):

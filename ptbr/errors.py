@@ -42,6 +42,14 @@ class PtbrError(Exception):
         # every field survives pickling (a data-parallel run passes errors from rank 0 to the others)
         return (self.__class__, (self.what, self.where, self.fix, self.problems))
 
+    def rename_path(self, old: str, new: str) -> None:
+        """Say `new` wherever the message says the path `old` (a temporary copy the user never
+        named: the user's own file is named instead)."""
+        self.what, self.where, self.fix = (part.replace(old, new) if part else part
+                                           for part in (self.what, self.where, self.fix))
+        self.problems = [problem.replace(old, new) for problem in self.problems]
+        self.args = (self.what,)
+
     def one_line(self) -> str:
         text = f"error: {self.what}"
         if self.where:

@@ -234,8 +234,29 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         Case(["generate", "Oi", "--model", str(toy.base), "--adapter", str(adapters["adapter_model.safetensors:random"])],
              4, ""),
     ]
+    # an mlx-lm adapter of a wider model: converted to PEFT's format on the fly, refused, and the
+    # message names the user's adapter directory, not the temporary converted copy
+    cases += [Case(["merge", "--base", str(toy.base), "--adapter", str(wider_mlx_adapter(adapter, tmp_path)),
+                    "--output", str(tmp_path / "m-wider")], 4, f"({tmp_path / 'wider-mlx'}); fix: give the base"),
+              Case(["generate", "Oi", "--model", str(toy.base), "--adapter", str(tmp_path / "wider-mlx")], 4,
+                   f"({tmp_path / 'wider-mlx'}); fix: give the base")]
     for case in cases:
         assert_refused(capsys, main(case.args), case.code, case.says, case.args)
+
+
+def wider_mlx_adapter(adapter: Path, tmp_path: Path) -> Path:
+    """`adapter` in mlx-lm's format, with every A matrix twice as wide: an adapter of another base."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from ptbr.finetune.export import export_adapter
+
+    wider = tmp_path / "wider-mlx"
+    export_adapter(adapter, "mlx", wider)
+    weights = load_file(str(wider / "adapters.safetensors"))
+    save_file({name: np.concatenate([w, w]) if name.endswith("lora_a") else w for name, w in weights.items()},
+              str(wider / "adapters.safetensors"), metadata={"format": "mlx"})
+    return wider
 
 
 def test_the_other_commands_refuse_wrong_values(tmp_path, capsys):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ptbr.errors import ConfigError, ModelError
+from ptbr.errors import ConfigError, ModelError, PtbrError
 from ptbr.files import write_directory
 from ptbr.finetune.adapter import ADAPTER_META
 
@@ -218,11 +218,19 @@ def convert_into(adapter: str | Path, to: str, target: Path, base: str | None = 
 
 def adapter_as(adapter: str | Path, wanted: str, stack: ExitStack) -> str:
     """The adapter in format `wanted` (peft | mlx): itself, or converted into a temporary directory
-    that lives as long as `stack` (generate and merge take either format this way)."""
+    that lives as long as `stack` (generate and merge take either format this way). An error about
+    the converted copy raised inside `stack` names the user's adapter directory instead."""
     if adapter_format(adapter) == wanted:
         return str(adapter)
     converted = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ptbr-adapter-")))
     convert_into(adapter, wanted, converted)
+
+    def name_the_original(kind, error, traceback) -> bool:
+        if isinstance(error, PtbrError):
+            error.rename_path(str(converted), str(adapter))
+        return False  # the error goes on
+
+    stack.push(name_the_original)
     return str(converted)
 
 

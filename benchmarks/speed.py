@@ -143,32 +143,61 @@ def pretrain_section(args, work: Path) -> list[dict]:
         spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
                 "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / size)}
         print(f"pretraining {size}: batch {batch_size} x seq_len {seq_len}, {precision}, {args.device}", flush=True)
-        runs = interleaved({"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
-                            "plain_loop": ("plain-pretrain", spec)}, args.rounds)
+        contenders = {"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
+                      "plain_loop": ("plain-pretrain", spec)}
+        if not args.no_compile:  # torch.compile on both sides: ptbr's --compile, the Trainer's torch_compile
+            contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"], cold_compile=True)),
+                           "hf_trainer_compile": ("hf-pretrain", dict(spec, torch_compile=True, cold_compile=True))}
+        runs = interleaved(contenders, args.rounds)
         tokens = batch_size * seq_len
         step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
+        first = {name: [r["first_step_s"] for r in rs] for name, rs in runs.items()}
         command = (f"ptbr train --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
                    f"--device {args.device} --precision {precision}")
-        extra = {}
+        mfu = {}
         if args.device == "cuda":
             device_name, peak = gpu_peak_flops()
             if peak is not None and precision in ("bf16", "fp16"):
                 per_token = flops_per_token(size, vocab, seq_len)
-                extra = {"device_name": device_name, "peak_flops": peak,
-                         "mfu": {name: per_token * tokens / statistics.median(s) / peak for name, s in step.items()}}
-        for reference, label in (("hf_trainer", "HF Trainer"), ("plain_loop", "plain PyTorch loop")):
-            rows.append(row("pretrain", f"pretrain {size} (batch {batch_size} x {seq_len}, {precision})",
+                mfu = {name: per_token * tokens / statistics.median(s) / peak for name, s in step.items()}
+        pairs = [("ptbr", "hf_trainer", "HF Trainer"), ("ptbr", "plain_loop", "plain PyTorch loop")]
+        if not args.no_compile:
+            pairs += [("ptbr_compile", "hf_trainer", "HF Trainer"),
+                      ("ptbr_compile", "hf_trainer_compile", "HF Trainer, torch_compile=True")]
+        first_row = len(rows)  # ptbr against the Trainer
+        for ours, reference, label in pairs:
+            compiled = ours == "ptbr_compile"
+            extra = {"device_name": device_name, "mfu_ptbr": mfu[ours], "mfu_reference": mfu[reference]} if mfu else {}
+            if compiled:  # the compile, paid once at the first step: reported apart, and when it pays off
+                compile_s = statistics.median(first[ours]) - statistics.median(first["ptbr"])
+                saved = statistics.median(step["ptbr"]) - statistics.median(step[ours])
+                extra |= {"compile_s": compile_s, "break_even_steps": compile_s / saved if saved > 0 else None}
+            rows.append(row("pretrain", f"pretrain {size} (batch {batch_size} x {seq_len}, {precision})"
+                            + (", --compile" if compiled else ""),
                             "tokens/s", "tokens/s", label, tokens / statistics.median(step[reference]),
-                            tokens / statistics.median(step["ptbr"]), paired_ratio(step["ptbr"], step[reference]),
-                            command, runs={k: runs[k] for k in ("ptbr", reference)},
-                            **({"device_name": extra["device_name"], "mfu_ptbr": extra["mfu"]["ptbr"],
-                                "mfu_reference": extra["mfu"][reference]} if extra else {})))
+                            tokens / statistics.median(step[ours]), paired_ratio(step[ours], step[reference]),
+                            command + (" --compile" if compiled else ""),
+                            runs={k: runs[k] for k in (ours, reference)}, **extra))
         if size == "tiny":
-            first = {name: [r["first_step_s"] for r in rs] for name, rs in runs.items()}
             rows.append(row("startup", f"command to first step, pretrain {size}", "seconds", "s", "HF Trainer",
                             statistics.median(first["hf_trainer"]), statistics.median(first["ptbr"]),
                             paired_ratio(first["ptbr"], first["hf_trainer"]), command))
+        if args.device == "cpu":
+            rows[first_row].update(matmul_floor_row(spec, step["hf_trainer"], step["plain_loop"]))
     return rows
+
+
+def matmul_floor_row(spec: dict, trainer_steps: list[float], plain_steps: list[float]) -> dict:
+    """The share of the plain loop's step spent in matrix multiplies (profiled in a fresh process),
+    and the bound it sets: every contender runs these same multiplies, so none can take less than
+    that share of the plain loop's step, and no trainer of this model and precision can be faster
+    than the Trainer by more than the Trainer's step over it. The profiler slows the small kernels
+    more than the multiplies, so the share is if anything too low and the bound too generous."""
+    floor = run_worker("matmul-floor", dict(spec, output=str(Path(spec["output"]) / "floor")))
+    share = floor["matmul_s"] / floor["profiled_step_s"]
+    print(f"  matrix multiplies: {100 * share:.0f}% of a profiled step ({floor['matmul_calls']} calls)", flush=True)
+    return {"matmul_share": share, "matmul_s": share * statistics.median(plain_steps),
+            "matmul_ceiling": statistics.median(trainer_steps) / (share * statistics.median(plain_steps))}
 
 
 def make_finetune_base(directory: Path, quick: bool) -> None:
@@ -313,6 +342,19 @@ def markdown(result: dict) -> str:
         if "mfu_ptbr" in r:
             theirs, ours = f"{theirs} (MFU {100 * r['mfu_reference']:.0f}%)", f"{ours} (MFU {100 * r['mfu_ptbr']:.0f}%)"
         lines.append(f"| {r['name']} | {r['metric']} | {r['reference']} | {theirs} | {ours} | {r['ratio']:.2f}x |")
+    notes = []
+    for r in result["rows"]:
+        if r.get("compile_s") is not None and r["reference"] == "HF Trainer":
+            pays = (f"it pays for itself after {r['break_even_steps']:,.0f} steps" if r.get("break_even_steps")
+                    else "its steps were no faster here")
+            notes.append(f"- {r['name']}: compiling took {r['compile_s']:.0f} s more before the first step, from an "
+                         f"empty cache (a later run of the same shapes reuses it); {pays}.")
+        if r.get("matmul_ceiling"):
+            notes.append(f"- {r['name']}: matrix multiplies are {100 * r['matmul_share']:.0f}% of a step (about "
+                         f"{1000 * r['matmul_s']:,.0f} ms): no trainer of this model at this precision can be more "
+                         f"than {r['matmul_ceiling']:.2f}x the Trainer here, even if everything else took no time.")
+    if notes:
+        lines += [""] + notes
     benchmarks = list(dict.fromkeys(r.get("benchmark_command", result["conditions"]["command"]) for r in result["rows"]))
     lines += ["", "Reproduce: " + "; ".join(f"`{b}`" for b in benchmarks) + ". ptbr's side of each row:", ""]
     seen = []
@@ -358,6 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of every run")
     parser.add_argument("--data-mb", type=int, default=20, help="megabytes of text for the data section")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave out the torch.compile contenders (ptbr --compile, the Trainer's torch_compile)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, one round, two timed steps: checks that everything runs (CI)")
     parser.add_argument("--output-dir", default=str(RESULTS), help="where speed_DEVICE.json and .md are written")

@@ -2,7 +2,8 @@
 
     python benchmarks/speed_workers.py KIND SPEC_JSON
 
-KIND is ptbr-pretrain, hf-pretrain, plain-pretrain, ptbr-finetune, hf-finetune, ptbr-prepare or
+KIND is ptbr-pretrain, hf-pretrain, plain-pretrain, matmul-floor (the plain loop's matrix
+multiplies alone, under torch's profiler), ptbr-finetune, hf-finetune, ptbr-prepare or
 tokenizers-prepare. Each contender prints FIRST_STEP (or ptbr's own "first step done" line) when
 its first optimizer step has completed, so that the parent can time the command up to it, and
 finally one line `RESULT {json}` with its step times, peak memory or throughput.
@@ -117,13 +118,15 @@ def hf_pretrain(spec: dict) -> None:
         learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         lr_scheduler_type="cosine", warmup_steps=1, optim="adamw_torch_fused", logging_steps=10,
         save_strategy="no", report_to="none", dataloader_num_workers=0, use_cpu=spec["device"] == "cpu",
-        bf16=spec["precision"] == "bf16", fp16=spec["precision"] == "fp16", disable_tqdm=True, seed=1337)
+        bf16=spec["precision"] == "bf16", fp16=spec["precision"] == "fp16", disable_tqdm=True, seed=1337,
+        torch_compile=spec.get("torch_compile", False))
     Trainer(model=model, args=args, train_dataset=rows, callbacks=[step_clock(spec, ends)]).train()
     report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "peak_memory_bytes": peak_memory_bytes(spec["device"])})
 
 
-def plain_pretrain(spec: dict) -> None:
-    """A minimal PyTorch loop (nanoGPT's shape): forward, cross-entropy, backward, clip, AdamW."""
+def plain_loop(spec: dict):
+    """A minimal PyTorch loop (nanoGPT's shape): forward, cross-entropy, backward, clip, AdamW.
+    Returns its number of steps and the function that runs step k."""
     import math
 
     import torch
@@ -138,9 +141,9 @@ def plain_pretrain(spec: dict) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["precision"])
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    ends: list[float] = []
-    for step in range(total):
-        batch = source.cycle(step)[0]
+
+    def step(k: int) -> None:
+        batch = source.cycle(k)[0]
         x = torch.from_numpy(batch["input_ids"].astype("int64")).to(device)
         y = torch.from_numpy(batch["labels"].astype("int64")).to(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -154,9 +157,42 @@ def plain_pretrain(spec: dict) -> None:
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
         loss.item()  # the loss every such loop prints
+
+    return total, step
+
+
+def plain_pretrain(spec: dict) -> None:
+    """The plain loop, timed step by step."""
+    total, step = plain_loop(spec)
+    ends: list[float] = []
+    for k in range(total):
+        step(k)
         ends.append(time.perf_counter())
         first_step_reported(ends)
     report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "peak_memory_bytes": peak_memory_bytes(spec["device"])})
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_floor(spec: dict) -> None:
+    """The seconds per step that the plain loop spends in matrix multiplies alone (CPU), under
+    torch's profiler: every contender runs these same multiplies, so no trainer of this model at
+    this precision can take less time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    total, step = plain_loop(spec)
+    for k in range(spec["warmup"]):
+        step(k)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        started = time.perf_counter()
+        for k in range(spec["warmup"], spec["warmup"] + spec["steps"]):
+            step(k)
+        profiled = time.perf_counter() - started
+    events = profiler.key_averages()
+    matmul_us = sum(e.self_cpu_time_total for e in events if e.key in MATMULS)
+    report({"matmul_s": matmul_us / 1e6 / spec["steps"], "profiled_step_s": profiled / spec["steps"],
+            "matmul_calls": sum(e.count for e in events if e.key in MATMULS) // spec["steps"]})
 
 
 # ---- fine-tuning ------------------------------------------------------------------------------
@@ -261,8 +297,14 @@ def tokenizers_prepare(spec: dict) -> None:
 
 
 KINDS = {"ptbr-pretrain": ptbr_pretrain, "hf-pretrain": hf_pretrain, "plain-pretrain": plain_pretrain,
-         "ptbr-finetune": ptbr_finetune, "hf-finetune": hf_finetune, "ptbr-prepare": ptbr_prepare,
-         "tokenizers-prepare": tokenizers_prepare}
+         "matmul-floor": matmul_floor, "ptbr-finetune": ptbr_finetune, "hf-finetune": hf_finetune,
+         "ptbr-prepare": ptbr_prepare, "tokenizers-prepare": tokenizers_prepare}
 
 if __name__ == "__main__":
-    KINDS[sys.argv[1]](json.loads(sys.argv[2]))
+    given = json.loads(sys.argv[2])
+    if given.get("cold_compile"):
+        # torch.compile starts from an empty cache: its whole compile time is in the first step
+        import os
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(given["output"]) / "inductor-cache")
+    KINDS[sys.argv[1]](given)

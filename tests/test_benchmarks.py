@@ -31,6 +31,7 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     assert {
         ("pretrain", "tokens/s", "HF Trainer"),
         ("pretrain", "tokens/s", "plain PyTorch loop"),
+        ("pretrain", "tokens/s", "HF Trainer, torch_compile=True"),  # ptbr --compile against the compiled Trainer
         ("startup", "seconds", "HF Trainer"),  # command to first step
         ("finetune", "tokens/s", "transformers + PEFT Trainer"),
         ("finetune", "peak resident memory", "transformers + PEFT Trainer"),
@@ -42,8 +43,18 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
         for key in ("reference_value", "ptbr_value", "ratio"):
             assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (row["name"], key)
         assert row["command"].startswith(("ptbr ", "python benchmarks/"))
+    pretrain = [row for row in result["rows"] if row["section"] == "pretrain"]
+    compiled = [row for row in pretrain if row["command"].endswith(" --compile")]
+    assert len(pretrain) == 4 and len(compiled) == 2  # ptbr and ptbr --compile, each against two references
+    # the compile is reported apart: seconds more before the first step, measured from an empty cache
+    assert all(row["compile_s"] > 0 and "break_even_steps" in row for row in compiled)
+    # the matrix multiplies' time bounds any trainer's ratio: a number > 1 on the Trainer's row
+    floor = [row for row in pretrain if "matmul_ceiling" in row]
+    assert len(floor) == 1 and floor[0]["reference"] == "HF Trainer" and floor[0] not in compiled
+    assert 0 < floor[0]["matmul_share"] < 1 and 0 < floor[0]["matmul_s"] < 1 and floor[0]["matmul_ceiling"] > 0
     table = (tmp_path / "speed_cpu_quick.md").read_text()
     assert table.count("\n| ") == len(result["rows"]) + 1  # the header, then one line per row
+    assert "compiling took" in table and "matrix multiplies are" in table
     assert "Reproduce: " in table and "`python benchmarks/speed.py --quick" in table
     measured = [row for row in result["rows"] if row["section"] != "mlx"]  # MLX rows come from their own files
     assert all(row["benchmark_command"].startswith("python benchmarks/speed.py --quick") for row in measured)

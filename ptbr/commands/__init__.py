@@ -43,8 +43,8 @@ def processes_to_launch(settings) -> int:
 
 
 def refuse_torch_options_on_mlx(settings, inside: str | None) -> None:
-    """The MLX backend trains in one process: data parallelism and FSDP are torch's, and so is
-    --lora-dropout-impl. --num-processes auto means one process there (no CUDA GPUs to spread over)."""
+    """The MLX backend trains in one process: data parallelism and FSDP are torch's, and so are
+    --lora-dropout-impl and --compile. --num-processes auto means one process there (no CUDA GPUs to spread over)."""
     problems = []
     if settings.num_processes not in ("1", "auto"):
         problems.append(f"--num-processes {settings.num_processes}: data parallelism runs on the torch backend")
@@ -53,10 +53,13 @@ def refuse_torch_options_on_mlx(settings, inside: str | None) -> None:
     if getattr(settings, "lora_dropout_impl", "auto") != "auto":
         problems.append(f"--lora-dropout-impl {settings.lora_dropout_impl}: a torch backend option (MLX draws its "
                         "own dropout masks)")
+    if getattr(settings, "compile", False):
+        problems.append("--compile: a torch backend option (the MLX backend always compiles its step)")
     if inside and inside != "1":
         problems.append(f"started as one of {inside} processes (torchrun / accelerate launch): the MLX backend "
                         "trains in one")
-    collect(problems, ConfigError, "--backend mlx", "train in one process with --backend mlx, or use --backend torch")
+    collect(problems, ConfigError, "--backend mlx",
+            "leave these options out with --backend mlx (it trains in one process), or use --backend torch")
 
 
 def run_or_launch(settings, args: argparse.Namespace, run) -> int:
@@ -65,6 +68,10 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
     if processes == 1:
         run(settings)
         return 0
+    if getattr(settings, "compile", False):
+        from ptbr.backends.torch.compiled import check_compile
+
+        check_compile(None, processes)  # refused here, before any worker starts
     from pathlib import Path
 
     from ptbr.backends.torch.distributed import launch

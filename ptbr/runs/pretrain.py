@@ -44,6 +44,8 @@ def run_pretrain(settings: PretrainConfig) -> dict:
     """Pretrain a preset from scratch (or resume); returns training_summary.json's contents."""
     backend = create_backend(settings.backend, settings.device, settings.precision)
     refuse_auto_fit_in_parallel(settings, backend.world)
+    if settings.compile:  # a torch option: MLX refused it before the backend was made
+        backend.check_compile()
     with open_run(settings, backend.world) as run_dir, \
             Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
                      backend.world.rank, backend.world.size) as watchdog:

@@ -23,6 +23,7 @@ from ptbr.backends.mlx.device import (
 )
 from ptbr.backends.mlx.step import MlxStep, build_optimizer
 from ptbr.backends.world import SingleProcess
+from ptbr.errors import ConfigError
 from ptbr.log import log
 from ptbr.versions import package_versions
 
@@ -44,6 +45,11 @@ class MlxBackend:
         self.precision = placement.precision
         self.reason = placement.reason
         self.world = SingleProcess()  # MLX trains in one process (data parallelism is torch's)
+
+    def check_compile(self) -> None:
+        """--compile is torch's (the CLI refuses it before this backend is made)."""
+        raise ConfigError("--compile: a torch backend option (the MLX backend always compiles its step)",
+                          "--backend mlx", "leave --compile out with --backend mlx, or use --backend torch")
 
     @classmethod
     def create(cls, device: str = "auto", precision: str = "auto") -> MlxBackend:

@@ -12,6 +12,7 @@ from ptbr.backends.torch.distributed import world_from_env
 from ptbr.backends.torch.step import TorchStep, build_optimizer
 from ptbr.backends.world import SingleProcess
 from ptbr.errors import ConfigError
+from ptbr.log import log
 from ptbr.versions import package_versions
 
 # What an out-of-memory looks like where torch does not raise torch.OutOfMemoryError (CPU, MPS).
@@ -48,6 +49,12 @@ class TorchBackend:
                 logging.getLogger("ptbr").setLevel(logging.WARNING)
         return cls(resolve_precision(resolved, precision), world)
 
+    def check_compile(self) -> None:
+        """--compile: refused where torch.compile cannot run here (before the run directory is made)."""
+        from ptbr.backends.torch.compiled import check_compile
+
+        check_compile(self.placement.device.type, self.world.size)
+
     def seed(self, seed: int) -> None:
         import torch
 
@@ -80,7 +87,11 @@ class TorchBackend:
             optimizer = build_optimizer(model, settings, self.placement.device, fused=False)
             return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, sharded=True)
         optimizer = build_optimizer(model, settings, self.placement.device)
-        return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model))
+        if settings.compile:
+            log("--compile: the first step compiles the forward pass and the loss with torch.compile (tens of "
+                "seconds on a CPU; a later run of the same shapes reuses the compiled code)")
+        return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model),
+                         compile=settings.compile)
 
     def parameter_count(self, step: TorchStep) -> int:
         from ptbr.backends.torch.models import count_parameters

@@ -23,7 +23,7 @@ class TorchStep:
     """
 
     def __init__(self, model, optimizer, placement, max_grad_norm: float, world=None, parallel=None,
-                 sharded: bool = False):
+                 sharded: bool = False, compile: bool = False):
         import torch
 
         self.model = model  # the module itself: evaluation and saving go through it
@@ -43,6 +43,13 @@ class TorchStep:
             self.scaler = torch.amp.GradScaler(placement.device.type, enabled=fp16)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.exported: dict | None = None  # FSDP: the whole weights of the last checkpoint (main rank)
+        # --compile: training steps run the forward pass and loss compiled; evaluation stays eager
+        # (no_grad would be a second compile, for a few batches)
+        self._train_loss, self._kernels = self._loss_sum, nullcontext
+        if compile:
+            from ptbr.backends.torch.compiled import compile_loss, deterministic_kernels
+
+            self._train_loss, self._kernels = compile_loss(self._loss_sum), deterministic_kernels
 
     def _to_device(self, batch: Batch) -> dict:
         """On a GPU the copy is queued from pinned memory, so that it runs while the GPU computes."""
@@ -90,8 +97,8 @@ class TorchStep:
         # every micro-batch's copy queued up front: on a GPU they travel while the first computes
         on_device = [self._to_device(batch) for batch in micro_batches]
         for index, batch in enumerate(on_device):
-            with self._sync_gradients(index == len(micro_batches) - 1):
-                loss_sum = self._loss_sum(module, batch)
+            with self._sync_gradients(index == len(micro_batches) - 1), self._kernels():
+                loss_sum = self._train_loss(module, batch)
                 self.scaler.scale(loss_sum * self.world.size / targets).backward()
             total += loss_sum.detach()
         self.scaler.unscale_(self.optimizer)

@@ -183,21 +183,22 @@ def pretrain_section(args, work: Path) -> list[dict]:
                             statistics.median(first["hf_trainer"]), statistics.median(first["ptbr"]),
                             paired_ratio(first["ptbr"], first["hf_trainer"]), command))
         if args.device == "cpu":
-            rows[first_row].update(matmul_floor_row(spec, step["hf_trainer"], step["plain_loop"]))
+            rows[first_row].update(matmul_floor_row(spec, paired_ratio(step["plain_loop"], step["hf_trainer"])))
     return rows
 
 
-def matmul_floor_row(spec: dict, trainer_steps: list[float], plain_steps: list[float]) -> dict:
-    """The share of the plain loop's step spent in matrix multiplies (profiled in a fresh process),
-    and the bound it sets: every contender runs these same multiplies, so none can take less than
-    that share of the plain loop's step, and no trainer of this model and precision can be faster
-    than the Trainer by more than the Trainer's step over it. The profiler slows the small kernels
-    more than the multiplies, so the share is if anything too low and the bound too generous."""
+def matmul_floor_row(spec: dict, trainer_over_plain: float) -> dict:
+    """The plain loop's matrix multiplies per step (torch's profiler) against its step without the
+    profiler, in one fresh process, and the bound they set: every contender runs these same
+    multiplies, so no trainer of this model and precision can be faster than the plain loop by more
+    than its step over them, nor faster than the Trainer by more than that times the Trainer's step
+    over the plain loop's (`trainer_over_plain`, paired within rounds)."""
     floor = run_worker("matmul-floor", dict(spec, output=str(Path(spec["output"]) / "floor")))
-    share = floor["matmul_s"] / floor["profiled_step_s"]
-    print(f"  matrix multiplies: {100 * share:.0f}% of a profiled step ({floor['matmul_calls']} calls)", flush=True)
-    return {"matmul_share": share, "matmul_s": share * statistics.median(plain_steps),
-            "matmul_ceiling": statistics.median(trainer_steps) / (share * statistics.median(plain_steps))}
+    share = min(1.0, floor["matmul_s"] / floor["step_s"])
+    print(f"  matrix multiplies: {1000 * floor['matmul_s']:,.0f} ms of a {1000 * floor['step_s']:,.0f} ms step "
+          f"({floor['matmul_calls']} calls)", flush=True)
+    return {"matmul_share": share, "matmul_s": floor["matmul_s"], "floor_step_s": floor["step_s"],
+            "matmul_ceiling": trainer_over_plain / share}
 
 
 def make_finetune_base(directory: Path, quick: bool) -> None:
@@ -350,9 +351,10 @@ def markdown(result: dict) -> str:
             notes.append(f"- {r['name']}: compiling took {r['compile_s']:.0f} s more before the first step, from an "
                          f"empty cache (a later run of the same shapes reuses it); {pays}.")
         if r.get("matmul_ceiling"):
-            notes.append(f"- {r['name']}: matrix multiplies are {100 * r['matmul_share']:.0f}% of a step (about "
-                         f"{1000 * r['matmul_s']:,.0f} ms): no trainer of this model at this precision can be more "
-                         f"than {r['matmul_ceiling']:.2f}x the Trainer here, even if everything else took no time.")
+            notes.append(f"- {r['name']}: matrix multiplies are {1000 * r['matmul_s']:,.0f} ms of the plain loop's "
+                         f"{1000 * r['floor_step_s']:,.0f} ms step ({100 * r['matmul_share']:.0f}%, one process): even "
+                         f"with everything else free, no trainer of this model at this precision could be more than "
+                         f"{r['matmul_ceiling']:.2f}x the Trainer here.")
     if notes:
         lines += [""] + notes
     benchmarks = list(dict.fromkeys(r.get("benchmark_command", result["conditions"]["command"]) for r in result["rows"]))

@@ -40,6 +40,7 @@ def test_compiled_training_is_eager_training_and_resumes_bit_for_bit(tmp_path, c
     made = compiled_train(once, "--max-steps", "6", "--save-every", "3")
     # the step really ran compiled: one graph (forward and loss, its backward with it), no break
     assert made == {"graphs": 1, "breaks": {}}
+    assert not torch.are_deterministic_algorithms_enabled()  # the mode was the step's only
     assert "--compile: the first step compiles" in capsys.readouterr().err
     # the same training to float rounding (fused kernels sum in another order)
     assert [r["loss"] for r in metrics(once)] == pytest.approx([r["loss"] for r in metrics(eager)], rel=1e-5)
@@ -60,13 +61,17 @@ def test_compiled_training_is_eager_training_and_resumes_bit_for_bit(tmp_path, c
 @pytest.mark.slow
 def test_compiled_accumulation_is_one_big_batch(tmp_path):
     compiled_train(tmp_path / "big", "--batch-size", "8", "--grad-accum", "1", "--max-steps", "3")
-    compiled_train(tmp_path / "acc", "--batch-size", "4", "--grad-accum", "2", "--max-steps", "3")
+    # with gradient checkpointing too: still one graph, no break
+    assert compiled_train(tmp_path / "acc", "--batch-size", "4", "--grad-accum", "2", "--max-steps", "3",
+                          "--gradient-checkpointing") == {"graphs": 1, "breaks": {}}
     assert_same_training(weights(tmp_path / "acc" / "final"), weights(tmp_path / "big" / "final"))
     assert [r["loss"] for r in metrics(tmp_path / "acc")] == pytest.approx(
         [r["loss"] for r in metrics(tmp_path / "big")], rel=1e-5)
 
 
 def test_compile_is_refused_in_one_line_where_it_cannot_run(tmp_path, capsys, monkeypatch):
+    from torch._inductor import config
+
     def refused(*args: str) -> str:
         assert main(["train", "--output", str(tmp_path / "run"), "--compile", "--max-steps", "1", *args]) == 2
         line = capsys.readouterr().err.strip().splitlines()[-1]
@@ -79,14 +84,28 @@ def test_compile_is_refused_in_one_line_where_it_cannot_run(tmp_path, capsys, mo
     # refused before any worker is started
     assert refused("--num-processes", "2", "--device", "cpu") == (
         "error: --compile: a run of 2 data-parallel processes (--compile is tested in one process only); "
-        "fix: leave --compile out")
-    monkeypatch.setenv("CXX", "no-such-compiler")
-    assert refused("--device", "cpu") == (
-        "error: --compile: no C++ compiler found, which torch.compile needs on cpu (none of g++, c++, clang++ on "
-        "PATH, nor $CXX); fix: leave --compile out, or install one (e.g. apt install g++)")
-    monkeypatch.delenv("CXX")
-    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler anywhere
-    assert "no C++ compiler found" in refused("--device", "cpu")
+        "fix: leave --compile out, or --num-processes 1")
+    # the compiler inductor would call ($CXX as one command, read by torch when it is imported)
+    with config.patch({"cpp.cxx": (None, "ccache g++")}):
+        assert refused("--device", "cpu") == (
+            "error: --compile: no C++ compiler found, which torch.compile needs on cpu (tried ccache g++; $CXX "
+            "names another); fix: leave --compile out, or install one (e.g. apt install g++)")
+    with config.patch({"cpp.cxx": (None, "g++")}):
+        monkeypatch.setenv("PATH", str(tmp_path))  # no compiler anywhere
+        assert "no C++ compiler found" in refused("--device", "cpu")
+
+
+def test_what_stops_compile_on_a_gpu(monkeypatch):
+    from ptbr.backends.torch.compiled import c_compilers, cuda_problems
+
+    assert cuda_problems(True, (7, 5)) == []  # a T4
+    assert cuda_problems(False, (6, 0)) == [  # Kaggle's P100 without Triton
+        "Triton is not installed (torch.compile's GPU kernels; it comes with torch's CUDA wheels)",
+        "the GPU's compute capability 6.0 is below the 7.0 that Triton needs"]
+    monkeypatch.delenv("CC", raising=False)
+    assert c_compilers() == ("gcc", "clang")  # what Triton tries, in its order
+    monkeypatch.setenv("CC", "/opt/cc")
+    assert c_compilers() == ("/opt/cc",)
 
 
 def test_the_mlx_backend_refuses_compile_when_called_as_a_library(tmp_path):
@@ -98,3 +117,24 @@ def test_the_mlx_backend_refuses_compile_when_called_as_a_library(tmp_path):
     with pytest.raises(ConfigError, match="--compile: a torch backend option"):
         run_pretrain(PretrainConfig(output=str(tmp_path / "run"), backend="mlx", device="cpu", compile=True))
     assert not (tmp_path / "run").exists()
+
+
+def test_preflight_checks_what_train_would_refuse():
+    from torch._inductor import config
+
+    from ptbr.config import PretrainConfig
+    from ptbr.preflight.checks import check_compile_request
+    from ptbr.preflight.hardware import Hardware
+
+    machine = Hardware("Linux", 2, 8 << 30, 8 << 30)
+    asked = PretrainConfig(compile=True)
+    assert check_compile_request(PretrainConfig(), "cpu", machine) == []  # not asked for: no check
+    with config.patch({"cpp.cxx": (None, "g++")}):
+        assert [c.status for c in check_compile_request(asked, "cpu", machine)] == ["pass"]
+        (check,) = check_compile_request(PretrainConfig(compile=True, num_processes="2"), "cpu", machine)
+        assert check.status == "fail" and "--num-processes 1" in check.fix
+    with config.patch({"cpp.cxx": (None, "no-such-compiler")}):
+        (check,) = check_compile_request(asked, "cpu", machine)
+    assert check.status == "fail" and "no C++ compiler found" in check.message and "install one" in check.fix
+    (check,) = check_compile_request(asked, "mlx", machine)
+    assert check.status == "fail" and "a torch backend option" in check.message

@@ -21,6 +21,7 @@ from ptbr.preflight.checks import (
     PASS,
     WARN,
     Check,
+    check_compile_request,
     check_finetune_data,
     check_hardware,
     check_kaggle,
@@ -99,7 +100,7 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
             if load_weights and tokenizer is not None:
                 checks.append(load_test(settings))
 
-    checks += check_packages(mode, target, quant, versions)
+    checks += check_packages(mode, target, quant, versions) + check_compile_request(settings, target, hardware)
     if target == "mlx":
         checks += check_mlx_backend()
 

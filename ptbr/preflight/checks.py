@@ -86,6 +86,28 @@ MINIMUM = {"torch": "2.4", "transformers": "4.46", "tokenizers": "0.20", "accele
            "numpy": "1.26", "peft": "0.13", "bitsandbytes": "0.45", "mlx": "0.20", "mlx-lm": "0.20"}
 
 
+def check_compile_request(settings, target: str, hardware: Hardware) -> list[Check]:
+    """`ptbr train --compile`: what train would refuse here (no compiler, MPS or MLX, several
+    processes), as a failed check; nothing when --compile is not asked for."""
+    if not getattr(settings, "compile", False):
+        return []
+    if target == "mlx":
+        return [Check("settings.compile", FAIL, False, "--compile is a torch backend option (the MLX backend always "
+                      "compiles its step)", "leave --compile out, or use --backend torch")]
+    requested = settings.num_processes
+    processes = int(requested) if requested.isdigit() else (len(hardware.gpus) or 1) if target == "cuda" else 1
+    import torch
+
+    from ptbr.backends.torch.compiled import check_compile
+
+    try:
+        check_compile(torch.device(target), processes)
+    except PtbrError as exc:
+        return [Check("settings.compile", FAIL, False, exc.what, exc.fix)]
+    return [Check("settings.compile", PASS, True, "--compile: torch.compile can run here (the first step compiles "
+                  "for tens of seconds)")]
+
+
 def check_mlx_backend() -> list[Check]:
     """On Apple Silicon the plan is for the MLX backend (`--backend mlx`, auto's choice there): say
     whether this environment can run it."""

@@ -127,9 +127,11 @@ def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) 
     throwaway model; returns the settings with the batch_size and grad_accum that fit."""
 
     def make_step(batch_size: int):
+        # probes run eager: one compile per probed size would cost tens of seconds each, and the
+        # compiled step keeps no more activations than the eager one
         pad_id = dataset.meta.get("pad_id") if dataset.meta else None
         return backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id,
-                                     dataclasses.replace(settings, batch_size=batch_size))
+                                     dataclasses.replace(settings, batch_size=batch_size, compile=False))
 
     def longest_batch(batch_size: int) -> dict:
         windows = RandomWindows(dataset.train, dataset.train_path, batch_size, settings.seq_len, dataset.vocab_size,

@@ -53,7 +53,7 @@ class TorchBackend:
         """--compile: refused where torch.compile cannot run here (before the run directory is made)."""
         from ptbr.backends.torch.compiled import check_compile
 
-        check_compile(self.placement.device.type, self.world.size)
+        check_compile(self.placement.device, self.world.size)
 
     def seed(self, seed: int) -> None:
         import torch

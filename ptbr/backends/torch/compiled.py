@@ -5,7 +5,7 @@ before the run starts, not a compiler traceback at the first step.
 Inductor turns the model's small kernels (RMSNorm, rotary embeddings, SiLU x up, the residual adds,
 log-softmax and its backward) into a few fused ones and leaves the matrix multiplies and attention
 to torch's own kernels; on a CPU it writes C++ (built with the machine's C++ compiler), on a GPU
-Triton kernels (whose launcher is built with the C compiler). The compiled code is cached
+Triton kernels (Volta or newer; the launcher is built with the C compiler). The compiled code is cached
 (TORCHINDUCTOR_CACHE_DIR, by default under the system's temporary directory), so that a later
 run of the same shapes starts within seconds.
 """
@@ -18,35 +18,60 @@ from contextlib import contextmanager
 
 from ptbr.errors import ConfigError
 
-# what inductor looks for, in its order: the variable first, then the usual names
-CPP_COMPILERS = ("g++", "c++", "clang++")
-C_COMPILERS = ("gcc", "cc", "clang")
+MIN_TRITON_CAPABILITY = (7, 0)  # Triton's GPUs: Volta and newer (Kaggle's P100, 6.0, is not)
 
 
-def compiler_for(device_type: str) -> str | None:
-    """The compiler torch.compile will call on this device type, or None when there is none."""
-    variable, names = ("CXX", CPP_COMPILERS) if device_type == "cpu" else ("CC", C_COMPILERS)
-    given = os.environ.get(variable)
-    if given:
-        return shutil.which(given.split()[0])
-    return next((found for found in map(shutil.which, names) if found), None)
+def cpp_compilers() -> tuple[str, ...]:
+    """The C++ compiler commands inductor tries on a CPU, in its order: $CXX as one command if it
+    is set, else g++ (clang++ on macOS); torch's own setting, so that ptbr checks what it runs."""
+    from torch._inductor import config
+
+    candidates = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+    return tuple(c for c in candidates if c)
 
 
-def check_compile(device_type: str | None, processes: int) -> None:
+def c_compilers() -> tuple[str, ...]:
+    """The C compiler Triton builds its GPU launcher with: $CC if set, else gcc, else clang."""
+    given = os.environ.get("CC")
+    return (given,) if given else ("gcc", "clang")
+
+
+def cuda_problems(has_triton: bool, capability: tuple[int, int]) -> list[str]:
+    """What stops torch.compile on a CUDA GPU of this compute capability."""
+    problems = []
+    if not has_triton:
+        problems.append("Triton is not installed (torch.compile's GPU kernels; it comes with torch's CUDA wheels)")
+    if tuple(capability) < MIN_TRITON_CAPABILITY:
+        problems.append(f"the GPU's compute capability {capability[0]}.{capability[1]} is below the 7.0 that "
+                        "Triton needs")
+    return problems
+
+
+def check_compile(device, processes: int) -> None:
     """Refuse --compile where it cannot run (or has not been tested): every problem at once.
-    device_type None: before the device is known (ptbr's launcher checks the processes only)."""
+    `device` (a torch.device) None: before the device is known (ptbr's launcher checks the
+    processes only)."""
     problems, fixes = [], ["leave --compile out"]
-    if device_type is None:
+    kind = device.type if device is not None else None
+    if kind is None:
         pass
-    elif device_type not in ("cpu", "cuda"):
-        problems.append(f"on {device_type} (torch.compile for {device_type} is experimental)")
-    elif compiler_for(device_type) is None:
-        kind, variable, names = ("C++", "CXX", CPP_COMPILERS) if device_type == "cpu" else ("C", "CC", C_COMPILERS)
-        problems.append(f"no {kind} compiler found, which torch.compile needs on {device_type} (none of "
-                        f"{', '.join(names)} on PATH, nor ${variable})")
-        fixes.append(f"install one (e.g. apt install {names[0]})")
+    elif kind not in ("cpu", "cuda"):
+        problems.append(f"on {kind} (torch.compile for {kind} is experimental)")
+    else:
+        language, commands = ("C++", cpp_compilers()) if kind == "cpu" else ("C", c_compilers())
+        if not any(shutil.which(command) for command in commands):
+            variable = "CXX" if kind == "cpu" else "CC"
+            problems.append(f"no {language} compiler found, which torch.compile needs on {kind} (tried "
+                            f"{', '.join(commands)}; ${variable} names another)")
+            fixes.append(f"install one (e.g. apt install {'g++' if kind == 'cpu' else 'gcc'})")
+        if kind == "cuda":
+            import torch
+            from torch.utils._triton import has_triton
+
+            problems += cuda_problems(has_triton(), torch.cuda.get_device_capability(device))
     if processes > 1:
         problems.append(f"a run of {processes} data-parallel processes (--compile is tested in one process only)")
+        fixes.append("--num-processes 1")
     if problems:
         raise ConfigError(f"--compile: {'; '.join(problems)}", None, ", or ".join(fixes))
 
@@ -66,12 +91,17 @@ def deterministic_kernels():
     the embedding's backward (a scatter-add into the vocabulary's rows) as atomic adds from several
     threads, whose order, and so whose float rounding, changes from run to run: a resumed run
     would drift from the uninterrupted one in the last bits. In deterministic mode it calls torch's
-    own kernel for it instead; the same code then gives the same numbers every run."""
+    own kernel for it instead; the same code then gives the same numbers every run (checked on CPU;
+on a GPU without CUBLAS_WORKSPACE_CONFIG, cuBLAS may still vary, with a warning)."""
     import torch
+    from torch.utils import deterministic
 
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = False  # the mode's NaN-filling of new buffers: time, no use here
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]

@@ -128,6 +128,7 @@ def gpu_peak_flops() -> tuple[str, float | None]:
 
 
 def pretrain_section(args, work: Path) -> list[dict]:
+    from ptbr.backends.torch.device import cpu_has_native_bf16
     from ptbr.data import SAMPLE_DIR
     from ptbr.data.tokens import open_dataset
 
@@ -138,6 +139,9 @@ def pretrain_section(args, work: Path) -> list[dict]:
     if args.quick:
         shapes = [("tiny", 2, 32)]
     precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    # on a CPU that computes bf16 natively, ptbr's --precision auto pretrains in bf16 autocast: its
+    # default against the Trainer's (fp32), and against the Trainer told bf16=True
+    default_is_bf16 = args.device == "cpu" and args.precision is None and cpu_has_native_bf16()
     rows = []
     for size, batch_size, seq_len in shapes:
         spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
@@ -148,6 +152,9 @@ def pretrain_section(args, work: Path) -> list[dict]:
         if not args.no_compile:  # torch.compile on both sides: ptbr's --compile, the Trainer's torch_compile
             contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"], cold_compile=True)),
                            "hf_trainer_compile": ("hf-pretrain", dict(spec, torch_compile=True, cold_compile=True))}
+        if default_is_bf16:  # what each runs when left to its defaults, and both in bf16
+            contenders |= {"ptbr_default": ("ptbr-pretrain", dict(spec, flags=["--precision", "auto"])),
+                           "hf_trainer_bf16": ("hf-pretrain", dict(spec, precision="bf16"))}
         runs = interleaved(contenders, args.rounds)
         tokens = batch_size * seq_len
         step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
@@ -164,6 +171,9 @@ def pretrain_section(args, work: Path) -> list[dict]:
         if not args.no_compile:
             pairs += [("ptbr_compile", "hf_trainer", "HF Trainer"),
                       ("ptbr_compile", "hf_trainer_compile", "HF Trainer, torch_compile=True")]
+        if default_is_bf16:
+            pairs += [("ptbr_default", "hf_trainer", "HF Trainer (its default: fp32)"),
+                      ("ptbr_default", "hf_trainer_bf16", "HF Trainer, bf16=True")]
         first_row = len(rows)  # ptbr against the Trainer
         for ours, reference, label in pairs:
             compiled = ours == "ptbr_compile"
@@ -172,11 +182,15 @@ def pretrain_section(args, work: Path) -> list[dict]:
                 compile_s = statistics.median(first[ours]) - statistics.median(first["ptbr"])
                 saved = statistics.median(step["ptbr"]) - statistics.median(step[ours])
                 extra |= {"compile_s": compile_s, "break_even_steps": compile_s / saved if saved > 0 else None}
-            rows.append(row("pretrain", f"pretrain {size} (batch {batch_size} x {seq_len}, {precision})"
-                            + (", --compile" if compiled else ""),
+            default = ours == "ptbr_default"
+            name = (f"pretrain {size} (batch {batch_size} x {seq_len}, "
+                    + ("ptbr's default: bf16 autocast on this CPU)" if default else f"{precision})")
+                    + (", --compile" if compiled else ""))
+            rows.append(row("pretrain", name,
                             "tokens/s", "tokens/s", label, tokens / statistics.median(step[reference]),
                             tokens / statistics.median(step[ours]), paired_ratio(step[ours], step[reference]),
-                            command + (" --compile" if compiled else ""),
+                            command.replace(f"--precision {precision}", "--precision auto") if default
+                            else command + (" --compile" if compiled else ""),
                             runs={k: runs[k] for k in (ours, reference)}, **extra))
         if size == "tiny":
             rows.append(row("startup", f"command to first step, pretrain {size}", "seconds", "s", "HF Trainer",

@@ -91,7 +91,9 @@ def ptbr_pretrain(spec: dict) -> None:
     rows = [json.loads(line) for line in (Path(spec["output"]) / "metrics.jsonl").read_text().splitlines()]
     # elapsed_s is the loop's clock summed over steps: the step, evaluation, and the loop around them
     ends = [row["elapsed_s"] for row in rows]
-    report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "peak_memory_bytes": peak_memory_bytes(spec["device"])})
+    precision = json.loads((Path(spec["output"]) / "run_config.json").read_text())["precision"]  # as resolved
+    report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "precision": precision,
+            "peak_memory_bytes": peak_memory_bytes(spec["device"])})
 
 
 def build_reference_model(spec: dict, dataset):

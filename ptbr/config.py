@@ -130,7 +130,8 @@ class LoopSettings:
     device: str = setting("auto", "Where to train: auto picks cuda, then mps, then cpu (with --backend mlx: the "
                           "Metal GPU, or cpu).", DEVICES)
     precision: str = setting(
-        "auto", "auto: bf16 where the GPU really has it, fp16 + GradScaler on T4-class GPUs, fp32 on CPU.", PRECISIONS
+        "auto", "auto: bf16 where the GPU really has it, fp16 + GradScaler on T4-class GPUs; on a CPU fp32, except "
+        "pretraining on a CPU that computes bf16 natively (AVX512-BF16 or AMX): bf16 autocast.", PRECISIONS
     )
     resume: str = setting("auto", "auto: continue from the newest complete checkpoint; never; or a checkpoint PATH.")
     num_processes: str = setting(

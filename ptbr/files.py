@@ -131,6 +131,16 @@ def write_json(path: Path, data: Any, what: str | None = None, fix: str | None =
     return write_text(path, text, what or Path(path).name, fix)
 
 
+def read_json(path: Path) -> dict | None:
+    """A JSON object from a file, or None where the file is missing, unreadable or holds something
+    else: for what only informs (a note, a summary) and must never stop the caller."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def append_lines(path: Path, lines: list[str], what: str) -> None:
     """Append whole lines (a log-like file: a line cut by a crash is dropped by its reader)."""
     with writing(what, path), open(path, "a", encoding="utf-8", newline="") as f:

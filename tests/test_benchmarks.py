@@ -24,6 +24,8 @@ def load_speed():
 
 @pytest.mark.slow
 def test_quick_speed_benchmark_writes_every_row(tmp_path):
+    from ptbr.backends.torch.device import cpu_has_native_bf16
+
     speed = load_speed()
     speed.main(["--quick", "--output-dir", str(tmp_path)])
     result = json.loads((tmp_path / "speed_cpu_quick.json").read_text())
@@ -45,7 +47,15 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
         assert row["command"].startswith(("ptbr ", "python benchmarks/"))
     pretrain = [row for row in result["rows"] if row["section"] == "pretrain"]
     compiled = [row for row in pretrain if row["command"].endswith(" --compile")]
-    assert len(pretrain) == 4 and len(compiled) == 2  # ptbr and ptbr --compile, each against two references
+    defaults = [row for row in pretrain if "--precision auto" in row["command"]]
+    # on a CPU that computes bf16 natively, also ptbr's default (bf16 autocast) against the Trainer's
+    # fp32 default and its bf16=True; each ptbr run says the precision it resolved
+    assert len(defaults) == (2 if cpu_has_native_bf16() else 0)
+    assert len(pretrain) == 4 + len(defaults) and len(compiled) == 2  # ptbr and ptbr --compile: two references each
+    for row in pretrain:
+        ours = next(runs for name, runs in row["runs"].items() if name.startswith("ptbr"))
+        assert {run["precision"] for run in ours} == {"bf16" if row in defaults else "fp32"}, row["name"]
+    assert [row["reference"] for row in defaults] == ["HF Trainer (its default: fp32)", "HF Trainer, bf16=True"][:len(defaults)]
     # the compile is reported apart: seconds more before the first step, measured from an empty cache
     assert all(row["compile_s"] > 0 and "break_even_steps" in row for row in compiled)
     # the matrix multiplies' time bounds any trainer's ratio: a number > 1 on the Trainer's row

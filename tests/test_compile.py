@@ -14,12 +14,14 @@ from tests.test_training import metrics, train, weights
 
 
 def compiled_train(output, *extra) -> dict:
-    """`ptbr train --compile`; returns dynamo's counters for that run (graphs made, graph breaks)."""
+    """`ptbr train --compile` in fp32 (against eager fp32 to float rounding: bf16 autocast, auto on a
+    CPU with native bf16, would round each multiply to 8 bits); returns dynamo's counters for that
+    run (graphs made, graph breaks)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    train(output, "--compile", *extra)
+    train(output, "--compile", "--precision", "fp32", *extra)
     return {"graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
 
 
@@ -36,7 +38,7 @@ def assert_same_training(a: dict, b: dict) -> None:
 @pytest.mark.slow
 def test_compiled_training_is_eager_training_and_resumes_bit_for_bit(tmp_path, capsys):
     eager, once, twice = tmp_path / "eager", tmp_path / "once", tmp_path / "twice"
-    train(eager, "--max-steps", "6", "--save-every", "3")
+    train(eager, "--max-steps", "6", "--save-every", "3", "--precision", "fp32")
     made = compiled_train(once, "--max-steps", "6", "--save-every", "3")
     # the step really ran compiled: one graph (forward and loss, its backward with it), no break
     assert made == {"graphs": 1, "breaks": {}}
@@ -67,6 +69,22 @@ def test_compiled_accumulation_is_one_big_batch(tmp_path):
     assert_same_training(weights(tmp_path / "acc" / "final"), weights(tmp_path / "big" / "final"))
     assert [r["loss"] for r in metrics(tmp_path / "acc")] == pytest.approx(
         [r["loss"] for r in metrics(tmp_path / "big")], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_bf16_autocast_is_one_graph_and_resumes_bit_for_bit(tmp_path):
+    """bf16 autocast is what --precision auto trains in on a CPU that computes bf16 natively:
+    --compile there is still one graph without a break, and a resumed run is the uninterrupted one."""
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    bf16 = ("--precision", "bf16", "--max-steps", "4", "--save-every", "2")  # the last --precision given wins
+    assert compiled_train(once, *bf16) == {"graphs": 1, "breaks": {}}
+    compiled_train(twice, *bf16)
+    shutil.rmtree(twice / "checkpoints" / "step_000004")
+    shutil.rmtree(twice / "final")
+    compiled_train(twice, *bf16)
+    a, b = weights(once / "final"), weights(twice / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert [r["loss"] for r in metrics(twice)] == [r["loss"] for r in metrics(once)]
 
 
 def test_compile_is_refused_in_one_line_where_it_cannot_run(tmp_path, capsys, monkeypatch):

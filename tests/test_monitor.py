@@ -89,7 +89,7 @@ def test_a_finished_run_is_shown_with_the_numbers_of_its_files(finished_run):
     metrics = rows(finished_run)
     config = json.loads((finished_run / "run_config.json").read_text())
     last = metrics[-1]
-    assert text.splitlines()[0] == f"ptbr monitor  {finished_run}  (train: tiny, torch on cpu, fp32)"
+    assert text.splitlines()[0] == f"ptbr monitor  {finished_run}  (train: tiny, torch on cpu, {config['precision']})"
     assert field(text, "status") == "finished: 8 steps (training_summary.json)"
     assert field(text, "step") == "8 / 8 (100.0%)"
     assert field(text, "loss").startswith(f"{last['loss']:.4f}; smoothed "

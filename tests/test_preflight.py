@@ -80,7 +80,8 @@ def check_invariants(rec, hardware: Hardware, requested, arch: Architecture, seq
         bigger = estimate_run(s, arch, rec.target, larger[0], getattr(s, seq_key), s.precision,
                               s.gradient_checkpointing, processes)
         assert bigger.total > rec.budget
-    expected = {"cuda": "bf16" if hardware.gpus and hardware.gpus[0].real_bf16 else "fp16", "cpu": "fp32",
+    cpu = "bf16" if hardware.cpu_bf16 and seq_key == "seq_len" else "fp32"  # pretraining on a native-bf16 CPU
+    expected = {"cuda": "bf16" if hardware.gpus and hardware.gpus[0].real_bf16 else "fp16", "cpu": cpu,
                 "mps": "fp32", "mlx": "bf16"}[rec.target]
     assert s.precision == expected
 
@@ -157,6 +158,20 @@ def test_t4_gets_fp16_and_two_t4s_train_on_both():
     asked = dataclasses.replace(pretrain_request("85m"), precision="bf16")
     rec = recommend(MACHINES["t4"], asked, Architecture.from_preset(PRESETS["85m"], VOCAB))
     assert rec.settings.precision == "fp16" and any("instead of bf16" in r for r in rec.reasons)
+
+
+def test_a_cpu_with_native_bf16_pretrains_in_bf16_and_fine_tunes_in_fp32():
+    """The same policy as `ptbr train`'s own --precision auto (resolve_precision, tested in
+    test_training): bf16 autocast for pretraining where the CPU multiplies bf16 in hardware."""
+    arch = Architecture.from_preset(PRESETS["85m"], VOCAB)
+    plain, native = MACHINES["cpu24"], dataclasses.replace(MACHINES["cpu24"], cpu_bf16=True)
+    assert recommend(plain, pretrain_request("85m"), arch).settings.precision == "fp32"
+    rec = recommend(native, pretrain_request("85m"), arch)
+    assert rec.settings.precision == "bf16" and any("computes bf16 natively" in r for r in rec.reasons)
+    asked = dataclasses.replace(pretrain_request("85m"), precision="fp32")
+    assert recommend(native, asked, arch).settings.precision == "fp32"  # an explicit fp32 is kept
+    qlora = recommend(native, qlora_request(), Architecture.from_hf_config(MISTRAL_7B))
+    assert qlora.target == "cpu" and qlora.settings.precision == "fp32"
 
 
 def test_a_model_whose_training_state_does_not_fit_one_gpu_is_sharded_over_two():

@@ -122,7 +122,7 @@ def test_a_run_records_the_memory_model_s_peak_for_its_settings(resumed_run):
 
     config = json.loads((resumed_run / "run_config.json").read_text())
     arch = Architecture.from_preset(PRESETS["tiny"], config["model"]["vocab_size"])
-    expected = estimate_training_memory(arch, 4, 32, "fp32", False, RUNTIME_BYTES["cpu"]).total
+    expected = estimate_training_memory(arch, 4, 32, config["precision"], False, RUNTIME_BYTES["cpu"]).total
     assert config["predicted_peak_bytes"] == expected
 
 
@@ -152,9 +152,10 @@ def test_report_command_rewrites_the_report_without_torch(resumed_run, tmp_path)
     shutil.copytree(resumed_run, copy)
     shutil.rmtree(copy / "plots")
     (copy / "report.md").unlink()
-    # a skipped step and a memory peak in mid-run, as the loop would have written them
+    # a skipped step and a memory peak in mid-run, as the loop would have written them (far above what a
+    # tiny run's process holds on any machine, so it is the peak)
     rows = read_metrics(copy / "metrics.jsonl")
-    rows[3]["loss"], rows[3]["grad_norm"], rows[4]["mem_bytes"] = None, None, 987_654_321
+    rows[3]["loss"], rows[3]["grad_norm"], rows[4]["mem_bytes"] = None, None, 98_765_432_100
     (copy / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     script = textwrap.dedent(f"""
         import sys
@@ -168,7 +169,7 @@ def test_report_command_rewrites_the_report_without_torch(resumed_run, tmp_path)
     assert run.stdout.splitlines() == [f"report: {copy / 'report.md'}", f"plots:  {copy / 'plots'}"]
     shown = table((copy / "report.md").read_text())
     assert shown["steps"] == "10 of 10" and shown["skipped steps"] == "1 (steps 4)"
-    assert shown["peak memory"].startswith("measured 987,654,321 B (941.9 MiB); ")
+    assert shown["peak memory"].startswith("measured 98,765,432,100 B (91.98 GiB); ")
     assert sorted(p.name for p in (copy / "plots").iterdir()) == sorted(f"{name}.png" for name in PLOTS)
 
 
@@ -181,8 +182,9 @@ def test_several_runs_are_overlaid_in_one_report(resumed_run, tmp_path):
     assert shown.returncode == 0, shown.stderr
     report = (out / "report.md").read_text()
     first_rows, second_rows = read_metrics(resumed_run / "metrics.jsonl"), read_metrics(second / "metrics.jsonl")
-    assert f"| run | tiny, torch on cpu, fp32 | 10 of 10 | {first_rows[-1]['loss']:.4f} |" in report
-    assert f"| lr-high | tiny, torch on cpu, fp32 | 5 of 5 | {second_rows[-1]['loss']:.4f} |" in report
+    precision = json.loads((second / "run_config.json").read_text())["precision"]  # auto: bf16 or fp32 on CPU
+    assert f"| run | tiny, torch on cpu, {precision} | 10 of 10 | {first_rows[-1]['loss']:.4f} |" in report
+    assert f"| lr-high | tiny, torch on cpu, {precision} | 5 of 5 | {second_rows[-1]['loss']:.4f} |" in report
     for name in PLOTS:
         assert pixels_of(out / "plots" / f"{name}.png", SECOND_COLOR) > 100, f"{name}.png lacks the second run"
     assert {p: p.stat().st_mtime_ns for p in before} == before  # the runs' own reports are left alone

@@ -107,9 +107,13 @@ def test_a_short_last_cycle_is_weighted_by_its_tokens():
 
 
 def test_grad_accum_through_the_cli_matches_one_big_batch(tmp_path):
-    """batch 2 x grad_accum 4 and batch 8 x grad_accum 1 train on the same sequences to the same model."""
-    train(tmp_path / "big", "--batch-size", "8", "--grad-accum", "1", "--max-steps", "3", "--save-every", "3")
-    train(tmp_path / "acc", "--batch-size", "2", "--grad-accum", "4", "--max-steps", "3", "--save-every", "3")
+    """batch 2 x grad_accum 4 and batch 8 x grad_accum 1 train on the same sequences to the same model.
+    In fp32: bf16 autocast (auto on a CPU with native bf16) rounds each matrix multiply's output to
+    8 bits of mantissa, differently for 2 rows than for 8, which would hide the loop's arithmetic."""
+    train(tmp_path / "big", "--batch-size", "8", "--grad-accum", "1", "--max-steps", "3", "--save-every", "3",
+          "--precision", "fp32")
+    train(tmp_path / "acc", "--batch-size", "2", "--grad-accum", "4", "--max-steps", "3", "--save-every", "3",
+          "--precision", "fp32")
     big, acc = weights(tmp_path / "big" / "final"), weights(tmp_path / "acc" / "final")
     for name in big:
         # AdamW normalises each update, so float summation-order noise on ~0 gradients shows up at
@@ -120,16 +124,18 @@ def test_grad_accum_through_the_cli_matches_one_big_batch(tmp_path):
     assert loss_acc == pytest.approx(loss_big, rel=1e-5)
 
 
-def test_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: autocast, what auto picks on a native-bf16 CPU
+def test_resume_is_bit_identical(tmp_path, precision):
     """10 steps in one go == 5 steps, interruption, resume to 10."""
     once = tmp_path / "once"
-    train(once, "--max-steps", "10", "--save-every", "5")
+    train(once, "--max-steps", "10", "--save-every", "5", "--precision", precision)
     twice = tmp_path / "twice"
-    train(twice, "--max-steps", "10", "--save-every", "5")
+    train(twice, "--max-steps", "10", "--save-every", "5", "--precision", precision)
     # simulate a run that died after step 5: only the step-5 checkpoint survives
     shutil.rmtree(twice / "checkpoints" / "step_000010")
     shutil.rmtree(twice / "final")
-    train(twice, "--max-steps", "10", "--save-every", "5")
+    train(twice, "--max-steps", "10", "--save-every", "5", "--precision", precision)
+    assert json.loads((twice / "run_config.json").read_text())["precision"] == precision
     a, b = weights(once / "final"), weights(twice / "final")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[name], b[name]) for name in a)
@@ -138,6 +144,19 @@ def test_resume_is_bit_identical(tmp_path):
     assert [row["loss"] for row in rows] == [row["loss"] for row in metrics(once)]
     log = (twice / "train.log").read_text()
     assert "resuming from" in log and "step_000005" in log
+
+
+def test_a_resume_in_another_precision_is_said(tmp_path, capsys):
+    """Allowed (a run moved to another machine, or auto picking bf16 where it picked fp32 before),
+    but never silent: the log names both precisions and how to continue as before."""
+    out = tmp_path / "run"
+    train(out, "--max-steps", "2", "--precision", "fp32")
+    capsys.readouterr()
+    train(out, "--max-steps", "3", "--precision", "bf16")
+    assert ("note: this run trained in fp32 until now and goes on in bf16; --precision fp32 continues as it was"
+            in capsys.readouterr().err)
+    train(out, "--max-steps", "4", "--precision", "bf16")
+    assert "note: this run trained in" not in capsys.readouterr().err
 
 
 def test_resume_never_starts_over(tmp_path):
@@ -168,12 +187,34 @@ def test_run_directory_layout_and_first_step_log(tmp_path, capsys):
         torch.load(checkpoint / name, weights_only=True)  # loadable without unpickling code
     config = json.loads((out / "run_config.json").read_text())
     assert config["settings"]["seq_len"] == 32 and config["versions"]["torch"] == torch.__version__
+    from ptbr.backends.torch.device import cpu_has_native_bf16
+
+    # --precision auto on a CPU: bf16 autocast where the CPU computes bf16 natively, and the log says so
+    assert config["precision"] == ("bf16" if cpu_has_native_bf16() else "fp32")
+    assert f"precision {config['precision']} (" in err
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0].keys()) == COLUMNS and len(rows) == 6
     assert [r["val_loss"] != "" for r in rows] == [False, False, True, False, False, True]
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["steps"] == 6 and summary["tokens_seen"] == 6 * 4 * 32
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_on_a_cpu(monkeypatch, native):
+    """Pretraining (cpu_bf16=True) picks bf16 autocast where the CPU multiplies bf16 in hardware,
+    fp32 elsewhere; fine-tuning (the default, cpu_bf16=False) and explicit precisions are kept."""
+    from ptbr.backends.torch import device as devices
+
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    placement = devices.resolve_precision(cpu, "auto", cpu_bf16=True)
+    assert placement.precision == ("bf16" if native else "fp32")
+    assert ("natively" in placement.reason) == native
+    assert placement.autocast_dtype == (torch.bfloat16 if native else None)
+    assert devices.resolve_precision(cpu, "auto").precision == "fp32"
+    assert devices.resolve_precision(cpu, "fp32", cpu_bf16=True).precision == "fp32"
+    assert devices.resolve_precision(cpu, "bf16").precision == "bf16"
 
 
 def test_first_loss_on_the_bundled_sample_is_stable():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ptbr.errors import ConfigError, KaggleError
-from ptbr.files import write_directory, write_json
+from ptbr.files import read_json, write_directory, write_json
 from ptbr.kaggle.client import call, connect, username
 from ptbr.kaggle.layout import (
     BUNDLE_MARKER,
@@ -317,14 +317,6 @@ def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> 
             break
     (folder / log_name).write_text(log_text or "", encoding="utf-8")
     return count
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def summarize(folder: Path) -> None:

@@ -16,6 +16,7 @@ from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_
 from ptbr.errors import PtbrError
 from ptbr.memory import GIB
 from ptbr.preflight.hardware import Hardware
+from ptbr.preflight.recommend import requested_processes
 from ptbr.versions import package_versions
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -94,14 +95,12 @@ def check_compile_request(settings, target: str, hardware: Hardware) -> list[Che
     if target == "mlx":
         return [Check("settings.compile", FAIL, False, "--compile is a torch backend option (the MLX backend always "
                       "compiles its step)", "leave --compile out, or use --backend torch")]
-    requested = settings.num_processes
-    processes = int(requested) if requested.isdigit() else (len(hardware.gpus) or 1) if target == "cuda" else 1
     import torch
 
     from ptbr.backends.torch.compiled import check_compile
 
     try:
-        check_compile(torch.device(target), processes)
+        check_compile(torch.device(target), requested_processes(hardware, target, settings))
     except PtbrError as exc:
         return [Check("settings.compile", FAIL, False, exc.what, exc.fix)]
     return [Check("settings.compile", PASS, True, "--compile: torch.compile can run here (the first step compiles "

@@ -37,6 +37,7 @@ class Hardware:
     unified_memory: int | None = None  # bytes shared by CPU and GPU on Apple Silicon
     metal_working_set: int | None = None  # Metal's recommended maximum working set (from mlx)
     in_kaggle: bool = False
+    cpu_bf16: bool = False  # the CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch probes it
     torch_cuda: str | None = None  # the CUDA version torch was built with; None: a CPU build
     notes: list[str] = field(default_factory=list)  # what the probe could not find out, and why
 
@@ -79,18 +80,25 @@ def probe_hardware(use_torch: bool = True) -> Hardware:
         hardware.unified_memory = hardware.ram_total or None
         hardware.metal_working_set = _metal_working_set(notes)
     if use_torch:
-        _probe_cuda(hardware, notes)
+        _probe_with_torch(hardware, notes)
     hardware.notes = notes
     return hardware
 
 
-def _probe_cuda(hardware: Hardware, notes: list[str]) -> None:
+def _probe_with_torch(hardware: Hardware, notes: list[str]) -> None:
+    """What torch sees: its CUDA build and GPUs, and whether the CPU multiplies bf16 natively."""
     try:
         import torch
+
+        from ptbr.backends.torch.device import cpu_has_native_bf16
     except Exception as exc:  # noqa: BLE001
         notes.append(f"torch cannot be imported: {type(exc).__name__}: {exc}")
         return
     hardware.torch_cuda = torch.version.cuda
+    try:
+        hardware.cpu_bf16 = cpu_has_native_bf16()
+    except Exception as exc:  # noqa: BLE001
+        notes.append(f"CPU bf16 support unknown: {type(exc).__name__}: {exc}")
     try:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception as exc:  # noqa: BLE001

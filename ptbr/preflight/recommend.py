@@ -4,7 +4,8 @@ It keeps the requested effective batch (batch_size x grad_accum) and sequence le
 largest micro-batch that the memory model says fits in about 90% of the free memory (80% of the
 RAM on CPU); gradient checkpointing only where the micro-batch would otherwise be too small, and
 a shorter sequence only where even one sequence does not fit. Precision: bf16 where the GPU has it natively, fp16 on
-T4-class GPUs, fp32 on CPU and Apple's MPS.
+T4-class GPUs, fp32 on CPU and Apple's MPS, except pretraining on a CPU that computes bf16 natively
+(bf16 autocast).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "au
     return "cpu"
 
 
-def choose_precision(hardware: Hardware, target: str, requested: str, reasons: list[str]) -> str:
+def choose_precision(hardware: Hardware, target: str, requested: str, reasons: list[str],
+                     mode: str = "pretrain") -> str:
     if target == "cuda" and hardware.gpus:
         gpu = hardware.gpus[0]
         native = "bf16" if gpu.real_bf16 else "fp16"
@@ -97,6 +99,10 @@ def choose_precision(hardware: Hardware, target: str, requested: str, reasons: l
         return native
     if target == "mlx":
         return "bf16" if requested == "auto" else requested
+    if requested == "auto" and target == "cpu" and mode == "pretrain" and hardware.cpu_bf16:
+        reasons.append("precision bf16 (autocast, fp32 weights): this CPU computes bf16 natively (AVX512-BF16 or "
+                       "AMX), about 1.6x faster than fp32 at 85m")
+        return "bf16"
     if requested in ("auto", "fp32") or (requested == "bf16" and target == "cpu"):
         return "fp32" if requested == "auto" else requested
     reasons.append(f"precision fp32 instead of {requested}: {requested} needs a CUDA GPU")
@@ -138,7 +144,7 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
     mode = mode_of(requested)
     key = seq_key(mode)
     target = choose_target(hardware, mode, requested.device, requested.backend)
-    precision = choose_precision(hardware, target, requested.precision, reasons)
+    precision = choose_precision(hardware, target, requested.precision, reasons, mode)
     budget = memory_budget(hardware, target, reasons)
     processes = plan_processes(hardware, target, requested, reasons)
     effective = requested.batch_size * requested.grad_accum * requested_processes(hardware, target, requested)

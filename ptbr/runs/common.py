@@ -21,7 +21,7 @@ from pathlib import Path
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
 from ptbr.errors import ConfigError, DeviceError, ModelError, OutputError, PtbrError, error_line
-from ptbr.files import first_line, remove_leftovers, write_json
+from ptbr.files import first_line, read_json, remove_leftovers, write_json
 from ptbr.log import attach_run_log, detach, log, to_file_only
 from ptbr.memory import Architecture, estimate_run
 from ptbr.report import INSTALL, matplotlib_installed, write_report
@@ -330,6 +330,11 @@ def write_run_config(run_dir: Path, command: str, settings, backend, resume: Res
     """run_config.json (written by the main rank)."""
     if not backend.world.is_main:
         return
+    # the run_config.json a resumed run's directory already holds (none or unreadable: no note)
+    before = (read_json(run_dir / "run_config.json") if resume.checkpoint else None) or {}
+    if before.get("precision") not in (None, backend.precision):  # allowed (another GPU, say), but said
+        log(f"note: this run trained in {before['precision']} until now and goes on in {backend.precision}; "
+            f"--precision {before['precision']} continues as it was")
     write_json(run_dir / "run_config.json", {
         "command": command,
         "settings": dataclasses.asdict(settings),

@@ -53,11 +53,9 @@ def check_compile(device, processes: int) -> None:
     processes only)."""
     problems, fixes = [], ["leave --compile out"]
     kind = device.type if device is not None else None
-    if kind is None:
-        pass
-    elif kind not in ("cpu", "cuda"):
+    if kind is not None and kind not in ("cpu", "cuda"):
         problems.append(f"on {kind} (torch.compile for {kind} is experimental)")
-    else:
+    elif kind is not None:
         language, commands = ("C++", cpp_compilers()) if kind == "cpu" else ("C", c_compilers())
         if not any(shutil.which(command) for command in commands):
             variable = "CXX" if kind == "cpu" else "CC"

@@ -36,6 +36,15 @@ def has_real_bf16() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False))
 
 
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 matrices in hardware (x86 AVX512-BF16 or AMX), as torch's
+    own CPU probe sees it: there oneDNN runs bf16 matmuls about twice as fast as fp32 ones."""
+    import torch
+
+    probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(bool(probe()) for probe in probes if probe is not None)
+
+
 def resolve_device(name: str):
     import torch
 
@@ -60,7 +69,9 @@ def resolve_device(name: str):
     return device
 
 
-def resolve_precision(device, requested: str) -> Placement:
+def resolve_precision(device, requested: str, cpu_bf16: bool = False) -> Placement:
+    """`cpu_bf16`: auto picks bf16 autocast on a CPU that computes bf16 natively (pretraining, where
+    it is measured about 1.6x faster at 85m; fine-tuning stays fp32 on CPU, where it is not faster)."""
     import torch
 
     kind = device.type
@@ -69,6 +80,9 @@ def resolve_precision(device, requested: str) -> Placement:
             if has_real_bf16():
                 return Placement(device, "bf16", "the GPU has native bf16")
             return Placement(device, "fp16", "the GPU has no native bf16 (T4-class): fp16 with GradScaler")
+        if kind == "cpu" and cpu_bf16 and cpu_has_native_bf16():
+            return Placement(device, "bf16", "the CPU computes bf16 natively: autocast, fp32 weights; "
+                                             "--precision fp32 for fp32 throughout")
         return Placement(device, "fp32", f"{kind}: fp32")
     if requested == "fp16" and kind == "cpu":
         raise DeviceError("fp16 training needs a GPU", "--precision fp16", "use --precision fp32 (or bf16) on CPU")

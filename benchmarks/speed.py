@@ -16,8 +16,8 @@ Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead
   startup   `ptbr --help` against `transformers --help`.
   data      MB/s of text to tokens: ptbr prepare (with an existing tokenizer) against the same
             documents through `tokenizers` directly.
-  MLX rows: any benchmarks/results/mlx_lora_speed_*.json (benchmarks/mlx_lora_speed.py, run on a
-            Mac) join the table.
+  MLX rows: any mlx_lora_speed_*.json in the output directory (benchmarks/results/ by default;
+            benchmarks/mlx_lora_speed.py writes them there, on a Mac) join the table.
 
 Every contender runs in its own fresh process; the contenders of a row alternate, round after
 round, and each gives the median of its timed steps (the first steps are not timed: allocator and
@@ -391,10 +391,27 @@ def kept_rows(path: Path, new_rows: list[dict]) -> list[dict]:
             if (r["section"], r["name"], r["metric"], r["reference"]) not in replaced and r["section"] != "mlx"]
 
 
+def cpu_name() -> str:
+    """The CPU's model name where the system says it (Linux), with whether it multiplies bf16 in
+    hardware: the fp32 and bf16 rows differ most between CPUs (AMX, AVX512-BF16, neither)."""
+    from ptbr.backends.torch.device import cpu_bf16_units
+
+    name = platform.processor() or platform.machine()
+    try:
+        models = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")]
+    except OSError:
+        models = []
+    if models:
+        name = f"{models[0]}, {platform.machine()}"
+    units = cpu_bf16_units()
+    return f"{name}, {' and '.join(units) if units else 'no native bf16'}"
+
+
 def conditions(args) -> dict:
     import torch
 
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    machine = f"{cpu_name()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
     if args.device == "cuda":
         machine = f"{torch.cuda.get_device_name()}, {machine}"
     method = (f"each contender in a fresh process, {args.rounds} alternating round(s), "
@@ -430,8 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name in args.only or SECTIONS:
             (Path(tmp) / name).mkdir()
             result["rows"] += SECTIONS[name](args, Path(tmp) / name)
-    result["rows"] += mlx_rows()
     output = Path(args.output_dir)
+    result["rows"] += mlx_rows(output)  # the MLX rows measured for this table (on this machine)
     output.mkdir(parents=True, exist_ok=True)
     stem = f"speed_{args.device}" + ("_quick" if args.quick else "")
     for measured in result["rows"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,11 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     speed.main(["--quick", "--output-dir", str(tmp_path)])
     result = json.loads((tmp_path / "speed_cpu_quick.json").read_text())
     found = {(row["section"], row["metric"], row["reference"]) for row in result["rows"]}
+    # the machine is named with what decides its fp32 and bf16 rows most
+    from ptbr.backends.torch.device import cpu_bf16_units
+
+    units = " and ".join(cpu_bf16_units()) or "no native bf16"
+    assert f", {units}, {os.cpu_count()} CPU cores, torch " in result["conditions"]["machine"]
     assert {
         ("pretrain", "tokens/s", "HF Trainer"),
         ("pretrain", "tokens/s", "plain PyTorch loop"),

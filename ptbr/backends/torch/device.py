@@ -36,13 +36,19 @@ def has_real_bf16() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False))
 
 
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU multiplies bf16 matrices in hardware (x86 AVX512-BF16 or AMX), as torch's
-    own CPU probe sees it: there oneDNN runs bf16 matmuls about twice as fast as fp32 ones."""
+def cpu_bf16_units() -> list[str]:
+    """The CPU's units that multiply bf16 matrices in hardware (x86 AMX, AVX512-BF16), as torch's
+    own CPU probes see them."""
     import torch
 
-    probes = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(bool(probe()) for probe in probes if probe is not None)
+    probes = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
+    return [unit for unit, name in probes if getattr(torch.cpu, name, lambda: False)()]
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 matrices in hardware: there oneDNN runs bf16 matmuls
+    about twice as fast as fp32 ones."""
+    return bool(cpu_bf16_units())
 
 
 def resolve_device(name: str):

@@ -442,14 +442,17 @@ def main(argv: list[str] | None = None) -> dict:
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what reproduces this run
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
+    output = Path(args.output_dir)
+    try:  # before the measuring, not after it
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--output-dir {output}: {exc.strerror or exc}")
     result = {"conditions": conditions(args), "rows": []}
     with tempfile.TemporaryDirectory(prefix="ptbr-speed-") as tmp:
         for name in args.only or SECTIONS:
             (Path(tmp) / name).mkdir()
             result["rows"] += SECTIONS[name](args, Path(tmp) / name)
-    output = Path(args.output_dir)
     result["rows"] += mlx_rows(output)  # the MLX rows measured for this table (on this machine)
-    output.mkdir(parents=True, exist_ok=True)
     stem = f"speed_{args.device}" + ("_quick" if args.quick else "")
     for measured in result["rows"]:
         measured["benchmark_command"] = result["conditions"]["command"]

@@ -119,6 +119,12 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
+def shown_size(value: float) -> str:
+    """A byte count as ptbr's monitor and report show it: GiB (2 decimals) from 1 GiB up, else MiB
+    (1 decimal). A run's process peak crosses 1 GiB on some machines and not others."""
+    return f"{value / 1024**3:.2f} GiB" if value >= 1024**3 else f"{value / 1024**2:.1f} MiB"
+
+
 @pytest.fixture(autouse=True)
 def _open_file_limit_kept():
     """No test may lower the process's hard open-file limit: nothing can raise it again, and every

@@ -96,3 +96,13 @@ def test_mfu_counts_every_weight_and_the_attention():
     speed = load_speed()
     # tiny at the bundled 2,048-token vocabulary: 1,066,112 parameters (tied), 4 layers of width 128
     assert speed.flops_per_token("tiny", 2048, 256) == 6 * 1_066_112 + 12 * 4 * 128 * 256
+
+
+def test_an_output_dir_that_cannot_be_made_stops_before_measuring(tmp_path, capsys):
+    speed = load_speed()
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    with pytest.raises(SystemExit) as stopped:
+        speed.main(["--only", "pretrain", "--output-dir", str(taken)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: --output-dir {taken}: File exists")

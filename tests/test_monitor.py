@@ -30,7 +30,7 @@ from ptbr.monitor import (
 )
 from ptbr.train.lock import LOCK_FILE
 from ptbr.train.metrics import read_metrics
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, shown_size
 
 TINY = ["--model-size", "tiny", "--seq-len", "32", "--batch-size", "4", "--device", "cpu"]
 
@@ -104,8 +104,8 @@ def test_a_finished_run_is_shown_with_the_numbers_of_its_files(finished_run):
     assert field(text, "lr") == f"{last['lr']:.2e}"
     peak = max(r["mem_bytes"] for r in metrics)
     predicted = config["predicted_peak_bytes"]
-    assert field(text, "memory").endswith(f"peak {peak / 1024**2:.1f} MiB; predicted peak "
-                                          f"{predicted / 1024**2:.1f} MiB ({100 * peak / predicted:.0f}%)")
+    assert field(text, "memory").endswith(f"peak {shown_size(peak)}; predicted peak "
+                                          f"{shown_size(predicted)} ({100 * peak / predicted:.0f}%)")
     assert field(text, "checkpoint").startswith("step_000008, written ")
     assert "warning" not in text and "ETA" not in text
     assert snapshot(finished_run) == before  # nothing written, nothing touched
@@ -404,3 +404,12 @@ def test_the_smoothed_loss_is_a_debiased_moving_average():
     assert smoothed([4.0]) == [4.0]
     first, second = smoothed([1.0, 2.0])
     assert first == 1.0 and second == pytest.approx((0.9 * 0.1 * 1.0 + 0.1 * 2.0) / (1 - 0.81))
+
+
+def test_sizes_switch_from_mib_to_gib_at_one_gib():
+    from ptbr.monitor import format_bytes
+
+    assert format_bytes(558_787_584) == "532.9 MiB"
+    assert format_bytes(1024**3 - 1) == "1024.0 MiB"
+    assert format_bytes(1024**3) == "1.00 GiB"
+    assert format_bytes(1_082_126_336) == "1.01 GiB"

@@ -19,7 +19,7 @@ import tests.test_finetune as finetune_tests
 from ptbr.cli import main
 from ptbr.monitor import smoothed
 from ptbr.train.metrics import SCALARS, read_metrics
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, shown_size
 
 pytest.importorskip("matplotlib", reason="the report extra: pip install 'ptbr[report]'")
 
@@ -97,8 +97,8 @@ def test_the_report_s_numbers_are_those_of_metrics_jsonl(resumed_run):
     assert shown["training time"].endswith(f"({rows[-1]['elapsed_s']:.1f} s)")
     assert shown["throughput"] == f"{statistics.median(r['tokens_per_s'] for r in rows):,.1f} tokens/s (median over the steps)"
     peak, predicted = max(r["mem_bytes"] for r in rows), config["predicted_peak_bytes"]
-    assert shown["peak memory"] == (f"measured {peak:,} B ({peak / 1024**2:.1f} MiB); predicted {predicted:,} B "
-                                    f"({predicted / 1024**2:.1f} MiB) ({100 * peak / predicted:.0f}% of the prediction)")
+    assert shown["peak memory"] == (f"measured {peak:,} B ({shown_size(peak)}); predicted {predicted:,} B "
+                                    f"({shown_size(predicted)}) ({100 * peak / predicted:.0f}% of the prediction)")
     assert shown["skipped steps"] == "0"
     assert re.fullmatch(r"1: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d from step 6 \(`.+/checkpoints/step_000006`\)",
                         shown["resumes"]), shown["resumes"]

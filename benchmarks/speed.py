@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name in args.only or SECTIONS:
             (Path(tmp) / name).mkdir()
             result["rows"] += SECTIONS[name](args, Path(tmp) / name)
-    result["rows"] += mlx_rows(output)  # the MLX rows measured for this table (on this machine)
+    result["rows"] += mlx_rows(output)  # MLX results kept beside this table (another machine's stay apart)
     stem = f"speed_{args.device}" + ("_quick" if args.quick else "")
     for measured in result["rows"]:
         measured["benchmark_command"] = result["conditions"]["command"]

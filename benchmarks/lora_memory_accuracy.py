@@ -79,7 +79,7 @@ def measure(point: dict) -> dict:
         settings = FinetuneConfig(base=base, data="unused", quant=point["quant"], lora_r=RANK, lora_dropout=DROPOUT,
                                   gradient_checkpointing=point["gradient_checkpointing"])
         model = load_model(settings, placement).model
-        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
+        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0, chunked_loss=False)
 
     def batch(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> dict:
         ids = np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len))

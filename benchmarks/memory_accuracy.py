@@ -95,7 +95,10 @@ def measure(point: dict) -> dict:
         if checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
-        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
+        # the whole logits, as predict() estimates them (--no-chunked-loss; the chunked loss's
+        # estimate is checked against real steps in tests/test_memory.py)
+        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0,
+                         chunked_loss=False)
 
     def batch(vocab_size, batch_size, seq_len, seed):
         windows = np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len + 1))

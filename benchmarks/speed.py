@@ -11,6 +11,9 @@ Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead
             the same LlamaForCausalLM, token windows, batch, sequence length, precision and AdamW
             (fused), for tiny and 85m (and 400m on a GPU, with MFU); and from those same runs, the
             time from the command to its first completed step.
+  vocab32k  the same at a 32k vocabulary (random tokens; tiny, batch 8 x 256), where ptbr's chunked
+            loss applies: tokens/s and peak memory against the Trainer, the plain loop and ptbr's
+            own --no-chunked-loss.
   finetune  LoRA and QLoRA tokens/s and peak memory of `ptbr finetune` against transformers +
             PEFT's Trainer on the same random Mistral-shaped base and plain-text data.
   startup   `ptbr --help` against `transformers --help`.
@@ -99,6 +102,12 @@ def summary(run: dict) -> str:
 def paired_ratio(ours: list[float], theirs: list[float]) -> float:
     """The median over rounds of theirs/ours (a time: above 1, ptbr took less)."""
     return statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
+
+
+def steps_and_peaks(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
+    """Per contender, its runs' median step times and their peak memory."""
+    return ({name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()},
+            {name: [r["peak_memory_bytes"] for r in rs] for name, rs in runs.items()})
 
 
 def row(section: str, name: str, metric: str, unit: str, reference: str, reference_value: float, ptbr_value: float,
@@ -201,6 +210,67 @@ def pretrain_section(args, work: Path) -> list[dict]:
     return rows
 
 
+def make_vocab_dataset(directory: Path, vocab_size: int, tokens: int) -> None:
+    """A dataset in ptbr's layout over a `vocab_size`-token vocabulary: a word-level tokenizer of
+    that many entries and uniformly random token ids. Speed and memory depend on the shapes only,
+    and no tokenizer of 32k tokens can be trained on the bundled sample's 49 KB."""
+    import hashlib
+
+    import numpy as np
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from ptbr.data.tokenizer import SPECIAL_TOKENS
+
+    directory.mkdir(parents=True, exist_ok=True)
+    words = [*SPECIAL_TOKENS, *(f"t{i}" for i in range(len(SPECIAL_TOKENS), vocab_size))]  # ids 0, 1: eos, pad
+    tokenizer = Tokenizer(WordLevel({word: i for i, word in enumerate(words)}, unk_token=words[-1]))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    splits = {"train": tokens, "val": tokens // 20}
+    for split, count in splits.items():
+        rng.integers(2, vocab_size, size=count, dtype=np.uint16).tofile(directory / f"{split}.bin")
+    meta = {"format": "ptbr-tokens", "version": 1, "dtype": "uint16", "byte_order": "little",
+            "vocab_size": vocab_size, "eos_id": 0, "pad_id": 1, "train_tokens": splits["train"],
+            "val_tokens": splits["val"], "train_documents": 1, "val_documents": 1,
+            "tokenizer_sha256": hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest(),
+            "sources": ["random"]}
+    (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
+def large_vocab_section(args, work: Path) -> list[dict]:
+    """Pretraining at a 32k vocabulary (random tokens), where ptbr's chunked loss applies: tokens/s
+    and peak memory against the Trainer and the plain loop (both compute the whole fp32 logits),
+    and against ptbr's own --no-chunked-loss (the lever alone)."""
+    data = work / "vocab32k"
+    make_vocab_dataset(data, 32000, 200_000)
+    size, batch_size, seq_len = ("tiny", 2, 160) if args.quick else ("tiny", 8, 256)
+    precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
+            "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / "vocab32k-runs"),
+            "data": str(data)}
+    print(f"pretraining {size} at a 32k vocabulary: batch {batch_size} x seq_len {seq_len}, {precision}", flush=True)
+    runs = interleaved({"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
+                        "plain_loop": ("plain-pretrain", spec),
+                        "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds)
+    step, memory = steps_and_peaks(runs)
+    tokens = batch_size * seq_len
+    command = (f"ptbr train --data DATA --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
+               f"--device {args.device} --precision {precision}")
+    name = f"pretrain {size}, 32k vocabulary (batch {batch_size} x {seq_len}, {precision})"
+    what = "peak GPU memory" if args.device == "cuda" else "peak resident memory"
+    rows = []
+    for reference, label in (("hf_trainer", "HF Trainer"), ("plain_loop", "plain PyTorch loop"),
+                             ("ptbr_whole", "ptbr --no-chunked-loss")):
+        rows.append(row("pretrain", name, "tokens/s", "tokens/s", label, tokens / statistics.median(step[reference]),
+                        tokens / statistics.median(step["ptbr"]), paired_ratio(step["ptbr"], step[reference]),
+                        command, runs={k: runs[k] for k in ("ptbr", reference)}))
+        rows.append(row("pretrain", name, what, "MB", label, statistics.median(memory[reference]) / 1e6,
+                        statistics.median(memory["ptbr"]) / 1e6, paired_ratio(memory["ptbr"], memory[reference]),
+                        command))
+    return rows
+
+
 def matmul_floor_row(spec: dict, trainer_over_plain: float) -> dict:
     """The plain loop's matrix multiplies per step (torch's profiler) against its step without the
     profiler, in one fresh process, and the bound they set: every contender runs these same
@@ -261,8 +331,7 @@ def finetune_section(args, work: Path) -> list[dict]:
                 "steps": args.steps, "output": str(work / quant)}
         print(f"fine-tuning, {label}: batch {batch_size}, ~{mean_tokens:.0f} tokens per example", flush=True)
         runs = interleaved({"ptbr": ("ptbr-finetune", spec), "hf_peft": ("hf-finetune", spec)}, args.rounds)
-        step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
-        memory = {name: [r["peak_memory_bytes"] for r in rs] for name, rs in runs.items()}
+        step, memory = steps_and_peaks(runs)
         tokens = batch_size * mean_tokens
         command = (f"ptbr finetune --base BASE --data train.jsonl --quant {quant} --lora-r 16 "
                    f"--batch-size {batch_size} --device {args.device} --precision {precision}")
@@ -317,8 +386,8 @@ def data_section(args, work: Path) -> list[dict]:
                 "ptbr prepare --input corpus.txt --tokenizer tokenizer.json --output data", runs=runs)]
 
 
-SECTIONS = {"pretrain": pretrain_section, "finetune": finetune_section, "startup": startup_section,
-            "data": data_section}
+SECTIONS = {"pretrain": pretrain_section, "vocab32k": large_vocab_section, "finetune": finetune_section,
+            "startup": startup_section, "data": data_section}
 
 
 # ---- the table --------------------------------------------------------------------------------

@@ -68,11 +68,12 @@ def step_clock(spec: dict, ends: list[float]):
 
 
 def pretrain_batches(spec: dict):
-    """The sample dataset and the batches ptbr draws for each step (a pure function of the step)."""
+    """The dataset (the sample, unless spec["data"] names another) and the batches ptbr draws for
+    each step (a pure function of the step)."""
     from ptbr.data import SAMPLE_DIR
     from ptbr.data.tokens import PretrainBatches, open_dataset
 
-    dataset = open_dataset(SAMPLE_DIR, None)
+    dataset = open_dataset(spec.get("data", SAMPLE_DIR), None)
     return dataset, PretrainBatches(dataset, spec["batch_size"], 1, spec["seq_len"], 1337)
 
 
@@ -85,7 +86,8 @@ def ptbr_pretrain(spec: dict) -> None:
                  "--seq-len", str(spec["seq_len"]), "--max-steps", str(total), "--eval-every", "0",
                  "--eval-batches", "1", "--save-every", str(10**6), "--log-every", str(10**6),
                  "--output", spec["output"], "--resume", "never", "--device", spec["device"],
-                 "--precision", spec["precision"], *spec.get("flags", [])])
+                 "--precision", spec["precision"], *(["--data", spec["data"]] if "data" in spec else []),
+                 *spec.get("flags", [])])
     if code:
         raise SystemExit(code)
     rows = [json.loads(line) for line in (Path(spec["output"]) / "metrics.jsonl").read_text().splitlines()]

@@ -223,6 +223,10 @@ class PretrainConfig(LoopSettings):
     tokenizer: str | None = setting(None, "tokenizer.json (needed for datasets without meta.json).")
     model_size: str = setting("tiny", "Model preset: tiny, 85m, 400m or 800m.")
     seq_len: int = setting(256, "Tokens per training sequence.")
+    chunked_loss: bool = setting(
+        True, "Where a micro-batch's fp32 logits over the vocabulary would exceed 32 MiB, compute the cross-entropy "
+        "and its gradient 32 MiB of logits at a time, so that the whole logits never exist: the same loss with less "
+        "memory (torch backend; --compile uses the whole logits).")
     compile: bool = setting(
         False, "Compile the model's forward pass and the loss with torch.compile (torch backend, one process, CPU "
         "or CUDA; needs a C/C++ compiler): faster steps after a compile of tens of seconds at the first step.")

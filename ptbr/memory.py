@@ -12,6 +12,9 @@ What lives on the device during a step of a Llama-style decoder, in bytes:
   cached until the forward pass ends and, without gradient checkpointing, held by the backward pass.
 - logits: the loss upcasts the (B, T, vocab) logits to fp32; at the start of the backward pass the
   log-softmax output, its gradient and the logits' gradient are alive together (3 x 4 B).
+  Pretraining's chunked loss (--chunked-loss, the default without --compile) holds instead the
+  final hidden states, their gradient, the output layer's gradient and one chunk's logits (32 MiB
+  in fp32): in that field, and in the start-of-backward moment, where the loss's forward peaks.
 
 The peak is not the sum of those: activations are freed layer by layer while gradients are made.
 It is the largest of three moments of a steady-state step (AdamW state already allocated):
@@ -31,6 +34,7 @@ from ptbr.config import ModelPreset, lora_dropout_impl
 
 GIB = 1024**3
 MIB = 1024**2
+CHUNK_BYTES = 32 * MIB  # the chunked loss's fp32 logits per chunk (ptbr/backends/torch/loss.py uses this)
 
 # Bytes per parameter of a quantized Linear weight, constants included.
 #   nf4: bitsandbytes 4-bit (ptbr's --quant 4bit), block 64, double quantization: a uint8 absmax
@@ -208,7 +212,8 @@ def _head_bytes_per_token(arch: Architecture, precision: str) -> int:
 
 
 def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, precision: str = "fp32",
-                             gradient_checkpointing: bool = False, overhead: int = 0, shards: int = 1) -> MemoryEstimate:
+                             gradient_checkpointing: bool = False, overhead: int = 0, shards: int = 1,
+                             chunked_loss: bool = False) -> MemoryEstimate:
     """Predicted peak bytes of full training (pretraining): fp32 weights, AdamW, autocast activations.
 
     shards > 1: FSDP over that many processes (the per-process peak). The weights, gradients and
@@ -216,8 +221,8 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     gathered during the step and two decoder layers are gathered at a time (one computing, one
     prefetched). A planning estimate: FSDP's peak has not been measured against a GPU yet."""
     if shards > 1:
-        return _sharded(arch, estimate_training_memory(arch, batch_size, seq_len, precision,
-                                                       gradient_checkpointing, overhead), shards)
+        return _sharded(arch, estimate_training_memory(arch, batch_size, seq_len, precision, gradient_checkpointing,
+                                                       overhead, chunked_loss=chunked_loss), shards)
     params = arch.parameters
     tokens = batch_size * seq_len
     mixed = precision in ("fp16", "bf16")
@@ -242,6 +247,23 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     embedding_grad = (4 if mixed else 8) * arch.lm_head_parameters if arch.tie_word_embeddings else 0
     logits = 3 * 4 * tokens * arch.vocab_size
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
+    if chunked_loss and chunks_the_loss(tokens, arch.vocab_size):
+        # the output layer does not run in the forward pass (so autocast makes no copy of it, and
+        # nothing saves its input); the loss then holds the final hidden states, their gradient
+        # and the output layer's gradient, and works on one chunk of logits at a time
+        activations -= (2 if mixed else 4) * arch.hidden_size * tokens  # the output layer's (cast) input
+        layer_copies = all_copies - lm_head_copy
+        held = held_copies - lm_head_copy
+        loss = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4)
+        # the output layer's gradient exists before the embedding's: that one is added in place
+        embedding_grad = 4 * arch.lm_head_parameters if arch.tie_word_embeddings else 0
+        return MemoryEstimate(
+            precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
+            activations=activations, logits=loss, overhead=overhead, weight_copies=layer_copies,
+            forward_end=resident + activations + layer_copies + 4 * arch.hidden_size * tokens,
+            backward_start=resident + activations + held + loss,
+            backward_end=resident + 4 * params + max(working, embedding_grad),
+        )
     return MemoryEstimate(
         precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
         activations=activations, logits=logits, overhead=overhead, weight_copies=all_copies,
@@ -249,6 +271,33 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         backward_start=resident + activations + held_copies + logits,
         backward_end=resident + 4 * params + max(working, embedding_grad),
     )
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss (ptbr/backends/torch/loss.py): 32 MiB of fp32 logits."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def chunks_the_loss(tokens: int, vocab_size: int) -> bool:
+    """Whether --chunked-loss chunks a micro-batch: only where its whole fp32 logits would be more
+    than one chunk. Below that there is no memory to save, and F.cross_entropy's fused kernels
+    are faster (measured on CPU at a 2,048-token vocabulary)."""
+    return tokens > chunk_tokens(vocab_size)
+
+
+def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int) -> int:
+    """The chunked loss of full training at its peak (ptbr/backends/torch/loss.py): the final
+    hidden states (fp32, after the final RMSNorm), their fp32 gradient and the output layer's fp32
+    gradient, all made in the forward pass; in 16 bits the output layer's 16-bit copy; and one
+    chunk's work: its logits (in 16 bits also its 16-bit hidden states, the logits before their fp32
+    upcast and the gradient of the logits cast back, or the weight's gradient before it is added)."""
+    h, vocab = arch.hidden_size, arch.vocab_size
+    chunk = min(chunk_tokens(vocab), tokens)
+    held = 4 * h * tokens + 4 * h * tokens + 4 * vocab * h
+    if compute == 4:
+        return held + 4 * chunk * vocab + 4 * chunk * h  # logits, and one matmul's output before its copy
+    work = max(6 * chunk * vocab, 2 * chunk * vocab + 2 * chunk * h, 2 * chunk * vocab + 2 * vocab * h)
+    return held + 2 * vocab * h + 2 * chunk * h + work
 
 
 def _sharded(arch: Architecture, whole: MemoryEstimate, shards: int) -> MemoryEstimate:
@@ -378,7 +427,9 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
                                    targets=lora_targets(settings.target_modules) if lora else LORA_ALL)
     if not hasattr(settings, "lora_r"):
         shards = processes if settings.fsdp else 1
-        return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards)
+        chunked = settings.chunked_loss and not settings.compile  # as TorchStep decides
+        return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards,
+                                        chunked_loss=chunked)
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
                                 targets=lora_targets(settings.target_modules), device=target,

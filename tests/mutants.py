@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Module -> its test files, fastest and most direct first (pytest stops at the first failure).
 TARGETS: dict[str, tuple[str, ...]] = {
     "ptbr/backends/torch/step.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
+    "ptbr/backends/torch/loss.py": ("tests/test_loss.py", "tests/test_mutation_guards.py"),
     "ptbr/train/loop.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
     "ptbr/train/checkpoint.py": ("tests/test_mutation_guards.py", "tests/test_training.py"),
     "ptbr/train/schedule.py": ("tests/test_schedule.py", "tests/test_training.py"),

@@ -51,7 +51,13 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
         for key in ("reference_value", "ptbr_value", "ratio"):
             assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (row["name"], key)
         assert row["command"].startswith(("ptbr ", "python benchmarks/"))
-    pretrain = [row for row in result["rows"] if row["section"] == "pretrain"]
+    pretrain = [row for row in result["rows"] if row["section"] == "pretrain" and "32k vocabulary" not in row["name"]]
+    # at a 32k vocabulary, where the chunked loss applies: speed and memory against three references
+    large = [row for row in result["rows"] if "32k vocabulary" in row["name"]]
+    assert {(row["metric"], row["reference"]) for row in large} == {
+        (metric, reference) for metric in ("tokens/s", "peak resident memory")
+        for reference in ("HF Trainer", "plain PyTorch loop", "ptbr --no-chunked-loss")} and len(large) == 6
+    assert all(row["command"].startswith("ptbr train --data DATA ") for row in large)
     compiled = [row for row in pretrain if row["command"].endswith(" --compile")]
     defaults = [row for row in pretrain if "--precision auto" in row["command"]]
     # on a CPU that computes bf16 natively, also ptbr's default (bf16 autocast) against the Trainer's

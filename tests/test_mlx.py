@@ -141,7 +141,7 @@ def test_pretraining_step_matches_torch_on_the_same_weights(tmp_path):
     assert model.config.tie_word_embeddings and mlx_backend.parameter_count(mlx_step) == PRESETS["tiny"].param_count(512)
     assert float(model.model.embed_tokens.weight[1].abs().sum()) == 0.0  # the padding row, as transformers'
     torch_step = TorchStep(model, build_optimizer(model, config, torch_backend.placement.device),
-                           torch_backend.placement, config.max_grad_norm)
+                           torch_backend.placement, config.max_grad_norm, chunked_loss=config.chunked_loss)
 
     batches = step_batches(512, 2, 32, seed=0)
     for lr in (3e-3, 1e-3):
@@ -180,7 +180,7 @@ def test_lora_step_matches_peft_on_the_same_adapter(toy, tmp_path):
     peft = PeftModel.from_pretrained(base, str(tmp_path / "peft"), is_trainable=True)
     torch_backend = TorchBackend.create("cpu", "fp32")
     torch_step = TorchStep(peft, build_optimizer(peft, config, torch_backend.placement.device),
-                           torch_backend.placement, config.max_grad_norm)
+                           torch_backend.placement, config.max_grad_norm, chunked_loss=False)  # as finetune_step
     mlx_step = backend.finetune_step(adapted, config)
 
     tokenizer = load_tokenizer(str(toy.base))

@@ -76,7 +76,8 @@ def tiny_model(seed: int = 0):
 def backend(model, optimizer=None, max_grad_norm: float = 0.0) -> TorchStep:
     """TorchStep on the CPU in fp32; plain SGD unless told otherwise, so an update is lr * gradient."""
     optimizer = optimizer or torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    return TorchStep(model, optimizer, resolve_precision(torch.device("cpu"), "fp32"), max_grad_norm)
+    return TorchStep(model, optimizer, resolve_precision(torch.device("cpu"), "fp32"), max_grad_norm,
+                     chunked_loss=True)
 
 
 def uneven_micro_batches() -> list[dict]:

@@ -37,9 +37,9 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                            "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-def ptbr(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def ptbr(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
+                          cwd=REPO, env=env)
 
 
 def max_difference(a: Path, b: Path) -> float:
@@ -123,6 +123,30 @@ def test_fsdp_shards_and_gives_the_same_model(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert max_difference(tmp_path / "single" / "final" / "model.safetensors",
                           tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+
+
+def test_the_chunked_loss_under_ddp_and_fsdp_gives_the_same_model(tmp_path):
+    """The chunked loss takes the output layer's input and weight inside DDP's and FSDP's forward
+    pass (FSDP's gathered weight): 2 ranks with chunks of 10 tokens (a sitecustomize module sets
+    the chunk size in every process) train the model that one process trains with the whole
+    logits."""
+    import os
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text("import ptbr.memory\nptbr.memory.CHUNK_BYTES = 4 * 2048 * 10\n")
+    chunked = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
+    common = [*TINY, "--max-steps", "3", "--save-every", "3"]
+    whole = ptbr("train", "--output", str(tmp_path / "whole"), "--batch-size", "4", "--no-chunked-loss", *common)
+    assert whole.returncode == 0, whole.stderr
+    for name, flags in (("ddp", []), ("fsdp", ["--fsdp"])):
+        run = ptbr("train", "--output", str(tmp_path / name), "--batch-size", "2", "--num-processes", "2", *flags,
+                   *common, env=chunked)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert max_difference(tmp_path / name / "final" / "model.safetensors",
+                              tmp_path / "whole" / "final" / "model.safetensors") < 1e-5
+        losses = [r["loss"] for r in metrics(tmp_path / name)]
+        assert losses == pytest.approx([r["loss"] for r in metrics(tmp_path / "whole")], rel=1e-6)
 
 
 def test_sigterm_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path):

@@ -31,8 +31,13 @@ def metrics(output):
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_loss_uses_correctly_shifted_labels():
-    """Our loss on (inputs, labels) equals transformers' own loss, which shifts internally."""
+@pytest.mark.parametrize("chunked", [True, False])
+def test_loss_uses_correctly_shifted_labels(monkeypatch, chunked):
+    """Our loss on (inputs, labels), chunked (5 tokens a chunk) or whole, equals transformers' own
+    loss, which shifts internally."""
+    from ptbr import memory
+
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 5)
     from ptbr.backends.torch.device import resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -44,7 +49,7 @@ def test_loss_uses_correctly_shifted_labels():
     batch = windows_to_batch(windows)
     assert np.array_equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
     step = TorchStep(model, build_optimizer(model, LoopSettings(), torch.device("cpu")),
-                     resolve_precision(torch.device("cpu"), "fp32"), 1.0)
+                     resolve_precision(torch.device("cpu"), "fp32"), 1.0, chunked_loss=chunked)
     ours = step.eval_loss([batch])
     with torch.no_grad():
         # transformers shifts labels itself: logits[:, :-1] against tokens[:, 1:]; a causal model's
@@ -58,14 +63,15 @@ def test_loss_uses_correctly_shifted_labels():
     assert abs(step.eval_loss([unshifted]) - ours) > 0.1
 
 
-def tiny_step(optimizer_factory, vocab=300):
+def tiny_step(optimizer_factory, vocab=300, chunked_loss=True):
     from ptbr.backends.torch.device import resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep
     from ptbr.config import PRESETS
 
     model = build_model(PRESETS["tiny"], vocab, eos_id=0, seed=0)
-    return model, TorchStep(model, optimizer_factory(model), resolve_precision(torch.device("cpu"), "fp32"), 0.0)
+    return model, TorchStep(model, optimizer_factory(model), resolve_precision(torch.device("cpu"), "fp32"), 0.0,
+                            chunked_loss=chunked_loss)
 
 
 def test_accumulated_gradient_is_the_mean_over_the_whole_batch():

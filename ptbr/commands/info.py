@@ -13,12 +13,15 @@ PRECISIONS = ("fp32", "bf16", "fp16")  # torch; the MLX backend's estimate is sh
 
 def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, grad_accum: int,
                gradient_checkpointing: bool = False) -> dict:
-    from ptbr.config import get_preset
+    from ptbr.config import PretrainConfig, get_preset
+    from ptbr.flags import setting_default
     from ptbr.memory import GIB, Architecture, estimate_mlx_memory, estimate_training_memory
 
     preset = get_preset(model_size)
     arch = Architecture.from_preset(preset, vocab_size)
-    estimates = {p: estimate_training_memory(arch, batch_size, seq_len, p, gradient_checkpointing).as_dict()
+    chunked = setting_default(PretrainConfig, "chunked_loss")  # as `ptbr train` runs by default
+    estimates = {p: estimate_training_memory(arch, batch_size, seq_len, p, gradient_checkpointing,
+                                             chunked_loss=chunked).as_dict()
                  for p in PRECISIONS}
     # --backend mlx (Apple Silicon): bf16 on Metal, fp32 master weights
     estimates["mlx-bf16"] = estimate_mlx_memory(arch, batch_size, seq_len, "bf16",
@@ -91,8 +94,10 @@ def _print_text(report: dict) -> None:
         b = m["batch"]
         print(f"batch      {b['batch_size']} x grad_accum {b['grad_accum']} x seq_len {b['seq_len']} "
               f"= {b['tokens_per_step']:,} tokens/step" + (" (gradient checkpointing)" if b["gradient_checkpointing"] else ""))
-        print("memory     precision  weights  grads  optimizer  activations  logits  peak (GiB)")
+        print("memory     precision  weights  grads  optimizer  activations    loss  peak (GiB)")
         for precision, e in m["memory_bytes"].items():
             g = {k: v / 1024**3 for k, v in e.items() if k != "precision"}
             print(f"           {precision:<9}  {g['weights']:7.2f}  {g['gradients']:5.2f}  {g['optimizer']:9.2f}  "
                   f"{g['activations']:11.2f}  {g['logits']:6.2f}  {g['total']:5.2f}")
+        print("           loss: its tensors over the vocabulary; torch: the chunked loss where the logits exceed 32 MiB "
+              "(ptbr train's default)")

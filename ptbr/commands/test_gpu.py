@@ -42,7 +42,7 @@ def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: i
 
     from ptbr.backends.torch.models import build_model, count_parameters
     from ptbr.backends.torch.step import TorchStep, build_optimizer
-    from ptbr.config import LoopSettings, get_preset
+    from ptbr.config import PretrainConfig, get_preset
     from ptbr.data.batch import windows_to_batch
 
     preset = get_preset(model_size)
@@ -50,8 +50,9 @@ def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: i
         torch.cuda.reset_peak_memory_stats(placement.device)
     started = time.monotonic()
     model = build_model(preset, vocab_size, eos_id=0, seed=0).to(placement.device)
-    settings = LoopSettings()
-    backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0)
+    settings = PretrainConfig()
+    backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0,
+                        chunked_loss=settings.chunked_loss)
     windows = np.random.default_rng(0).integers(0, vocab_size, size=(batch_size, seq_len + 1))
     build_s = time.monotonic() - started
     started = time.monotonic()

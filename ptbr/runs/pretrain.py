@@ -144,8 +144,15 @@ def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) 
         from ptbr.memory import Architecture, estimate_mlx_memory, estimate_training_memory
 
         arch = Architecture.from_preset(preset, dataset.vocab_size)
-        estimate = estimate_mlx_memory if backend.name == "mlx" else estimate_training_memory
-        too_big = ram_guard(lambda b: estimate(arch, b, settings.seq_len, backend.precision,
-                                               gradient_checkpointing=settings.gradient_checkpointing).total)
+        if backend.name == "mlx":
+            def estimate(b):
+                return estimate_mlx_memory(arch, b, settings.seq_len, backend.precision,
+                                           gradient_checkpointing=settings.gradient_checkpointing)
+        else:
+            def estimate(b):
+                return estimate_training_memory(arch, b, settings.seq_len, backend.precision,
+                                                settings.gradient_checkpointing,
+                                                chunked_loss=settings.chunked_loss and not settings.compile)
+        too_big = ram_guard(lambda b: estimate(b).total)
     choice = auto_fit(backend, make_step, longest_batch, settings.batch_size, settings.grad_accum, too_big)
     return dataclasses.replace(settings, batch_size=choice.batch_size, grad_accum=choice.grad_accum)

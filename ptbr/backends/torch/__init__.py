@@ -85,13 +85,14 @@ class TorchBackend:
         if settings.fsdp and self.world.size > 1:
             shard(model)
             optimizer = build_optimizer(model, settings, self.placement.device, fused=False)
-            return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, sharded=True)
+            return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, sharded=True,
+                             chunked_loss=settings.chunked_loss)
         optimizer = build_optimizer(model, settings, self.placement.device)
         if settings.compile:
             log("--compile: the first step compiles the forward pass and the loss with torch.compile (tens of "
                 "seconds on a CPU; a later run of the same shapes reuses the compiled code)")
         return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model),
-                         compile=settings.compile)
+                         compile=settings.compile, chunked_loss=settings.chunked_loss)
 
     def parameter_count(self, step: TorchStep) -> int:
         from ptbr.backends.torch.models import count_parameters
@@ -116,7 +117,7 @@ class TorchBackend:
                               "and trains the small adapter data-parallel", "--fsdp", "leave --fsdp out")
         model = adapted.model
         return TorchStep(model, build_optimizer(model, settings, self.placement.device), self.placement,
-                         settings.max_grad_norm, self.world, self.parallel(model))
+                         settings.max_grad_norm, self.world, self.parallel(model), chunked_loss=False)
 
     def write_adapter(self, adapted, directory: Path) -> None:
         """PEFT's adapter_model.safetensors and adapter_config.json."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from ptbr.backends.world import SingleProcess
 from ptbr.data.batch import IGNORE_INDEX, Batch, StepResult, input_count, target_count
+from ptbr.memory import chunks_the_loss
 
 
 class TorchStep:
@@ -23,7 +24,7 @@ class TorchStep:
     """
 
     def __init__(self, model, optimizer, placement, max_grad_norm: float, world=None, parallel=None,
-                 sharded: bool = False, compile: bool = False):
+                 sharded: bool = False, compile: bool = False, *, chunked_loss: bool):
         import torch
 
         self.model = model  # the module itself: evaluation and saving go through it
@@ -43,6 +44,13 @@ class TorchStep:
             self.scaler = torch.amp.GradScaler(placement.device.type, enabled=fp16)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.exported: dict | None = None  # FSDP: the whole weights of the last checkpoint (main rank)
+        # --chunked-loss: the logits a chunk of tokens at a time (ptbr/backends/torch/loss.py) where
+        # the whole would be larger than one chunk; None: the whole logits, through the output layer
+        self.head = None
+        if chunked_loss and not compile:
+            from ptbr.backends.torch.loss import chunkable_head
+
+            self.head = chunkable_head(model)
         # --compile: training steps run the forward pass and loss compiled; evaluation stays eager
         # (no_grad would be a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext
@@ -65,6 +73,13 @@ class TorchStep:
         import torch.nn.functional as F
 
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if self.head is not None and chunks_the_loss(batch["labels"].numel(), self.head.out_features):
+            from ptbr.backends.torch.loss import chunked_cross_entropy, hidden_states_of
+
+            with hidden_states_of(self.head) as seen, self.placement.autocast():
+                module(**inputs)
+            return chunked_cross_entropy(seen["hidden"].flatten(0, 1), seen["weight"], batch["labels"].flatten(),
+                                         self.placement.autocast_dtype)
         with self.placement.autocast():
             logits = module(**inputs).logits  # (B, T, vocab)
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),

@@ -1,0 +1,118 @@
+"""The training loss of the torch backend, with the vocabulary's logits made a chunk of tokens at a
+time (--chunked-loss, the default without --compile).
+
+The plain way computes the (tokens x vocab) logits whole, upcasts them to fp32 and hands them to
+F.cross_entropy; at a 32k vocabulary that is 128 KiB per token, and three such fp32 tensors are
+alive when the backward pass starts (the largest part of a small model's peak: 770 MiB for 85m at
+batch 2 x 256 in fp32 against 1 GiB for its weights and AdamW state). The chunked way takes the
+final hidden states instead, and for each chunk of tokens computes the logits, the summed loss and,
+right away, the loss's gradients with respect to the hidden states and the output layer's weight
+(softmax minus the one-hot target, times the weight or the hidden states). Only one chunk's logits
+exist at a time; what the backward pass gets is the two gradients, scaled by its incoming gradient.
+The matrix multiplies are the same three as the plain way's (forward, and the two of its backward),
+in the same precision (autocast's 16-bit type, or fp32), so no time is spent recomputing: measured
+on CPUs the step is as fast or faster, because the logits stay in cache (README, "Performance").
+
+The output layer still runs inside the model's forward pass (through DDP's or FSDP's wrapper, which
+need it to), only it returns nothing while `hidden_states_of` holds it: it records its input and its
+weight (under FSDP, the gathered weight) for the loss.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from ptbr.data.batch import IGNORE_INDEX
+from ptbr.memory import chunk_tokens
+
+
+def chunkable_head(model):
+    """The model's output layer if the chunked loss can compute with it (a plain Linear without a
+    bias, frozen or trained: pretraining, LoRA, QLoRA, which leaves it unquantized), else None (a
+    LoRA-adapted or quantized lm_head: the plain loss)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is torch.nn.Linear and head.bias is None:
+        return head
+    return None
+
+
+@contextmanager
+def hidden_states_of(head):
+    """Within the block, calling `head` records its input and weight in the yielded dict and
+    returns an empty tensor instead of the logits."""
+    seen: dict = {}
+
+    def record(hidden):
+        seen["hidden"], seen["weight"] = hidden, head.weight
+        return hidden.new_empty(hidden.shape[:-1] + (0,))
+
+    previous = head.__dict__.get("forward")  # an instance's own forward (accelerate's hooks set one)
+    head.forward = record
+    try:
+        yield seen
+    finally:
+        if previous is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = previous
+
+
+def chunked_cross_entropy(hidden, weight, labels, dtype=None):
+    """Summed cross-entropy of `labels` (N; IGNORE_INDEX for none) under the logits
+    hidden (N, H) @ weight.T (V, H), computed in `dtype` (default: the weight's), the logits upcast to
+    fp32 as F.cross_entropy's caller does."""
+    dtype = dtype or weight.dtype
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, dtype, chunk_tokens(weight.shape[0]),
+                                            torch.is_grad_enabled() and hidden.requires_grad,
+                                            torch.is_grad_enabled() and weight.requires_grad)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, dtype, chunk, grad_hidden, grad_weight):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        d_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if grad_hidden else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight else None
+        w = weight.to(dtype)
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk].to(dtype)
+            target = labels[start:start + chunk]
+            counted = target != IGNORE_INDEX
+            target = torch.where(counted, target, 0)
+            logits = (h @ w.T).float()
+            target_logit = logits.gather(1, target[:, None]).squeeze(1)
+            # log-sum-exp with the exponentials made in place (torch.logsumexp makes a copy)
+            peak = logits.amax(dim=-1, keepdim=True)
+            exponentials = logits.sub_(peak).exp_()
+            sums = exponentials.sum(dim=-1)
+            total += torch.where(counted, sums.log() + peak.squeeze(1) - target_logit, 0).sum()
+            if d_hidden is None and d_weight is None:
+                continue
+            # d(loss)/d(logits) = softmax - one_hot(target), zero for ignored tokens; in place
+            d_logits = exponentials.div_(sums[:, None])
+            d_logits.scatter_add_(1, target[:, None], torch.full_like(target_logit[:, None], -1.0))
+            d_logits.mul_(counted[:, None])
+            del logits, exponentials
+            d_logits = d_logits.to(dtype)
+            if d_hidden is not None:
+                d_hidden[start:start + chunk] = d_logits @ w
+            if d_weight is not None:
+                if dtype == torch.float32:
+                    d_weight.addmm_(d_logits.T, h)
+                else:
+                    d_weight.add_(d_logits.T @ h)
+            del d_logits  # before the next chunk's logits are made
+        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        d_hidden, d_weight = ctx.saved_tensors
+        if d_hidden is not None:
+            d_hidden = d_hidden.mul_(grad_total).to(ctx.dtypes[0])
+        if d_weight is not None:
+            d_weight = d_weight.mul_(grad_total).to(ctx.dtypes[1])
+        return d_hidden, d_weight, None, None, None, None, None

@@ -1,0 +1,173 @@
+"""The chunked cross-entropy (ptbr/backends/torch/loss.py, --chunked-loss): the same loss and
+gradients as the whole logits through F.cross_entropy, a chunk of tokens at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ptbr import memory
+from ptbr.backends.torch import loss as chunked
+from ptbr.data.batch import IGNORE_INDEX
+
+N, H, V = 50, 16, 100
+
+
+@pytest.fixture
+def seven_tokens_a_chunk(monkeypatch):
+    """Chunks of 7 tokens at a vocabulary of 100: 50 tokens make 7 full chunks and a short one."""
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * V * 7)
+    assert chunked.chunk_tokens(V) == 7
+
+
+def inputs(weight_grad: bool = True):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, H, generator=generator, requires_grad=True)
+    weight = torch.randn(V, H, generator=generator, requires_grad=weight_grad)
+    labels = torch.randint(0, V, (N,), generator=generator)
+    labels[::5] = IGNORE_INDEX
+    labels[-1] = IGNORE_INDEX  # in the short last chunk too
+    return hidden, weight, labels
+
+
+def whole(hidden, weight, labels, dtype):
+    return F.cross_entropy((hidden.to(dtype) @ weight.to(dtype).T).float(), labels, ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def gradients(loss_fn, hidden, weight, labels, dtype, scale=0.37):
+    hidden.grad = weight.grad = None
+    loss = loss_fn(hidden, weight, labels, dtype)
+    (loss * scale).backward()  # the step scales the summed loss by world size / target tokens
+    return loss.item(), hidden.grad, weight.grad
+
+
+def test_chunk_size_is_32_mib_of_fp32_logits():
+    assert memory.CHUNK_BYTES == 32 * 1024**2
+    assert chunked.chunk_tokens(32000) == 262
+    assert chunked.chunk_tokens(128256) == 65  # Llama 3's vocabulary
+    assert chunked.chunk_tokens(10**9) == 1
+
+
+def test_fp32_loss_and_gradients_are_the_whole_logits_ones(seven_tokens_a_chunk):
+    hidden, weight, labels = inputs()
+    expected = gradients(whole, hidden, weight, labels, torch.float32)
+    got = gradients(chunked.chunked_cross_entropy, hidden, weight, labels, torch.float32)
+    assert got[0] == pytest.approx(expected[0], rel=1e-6)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=2e-6)
+    torch.testing.assert_close(got[2], expected[2], rtol=0, atol=2e-6)
+    assert float(got[1][::5].abs().max()) == 0.0  # an ignored token gets no gradient
+    assert float(got[1].abs().max()) > 0.1
+
+
+def test_bf16_computes_the_same_bf16_logits(seven_tokens_a_chunk):
+    """In bf16 the logits are the same bf16 products, upcast: the same loss but for the order of
+    its sum. The gradients differ by bf16 rounding (the whole way rounds the scaled gradient of the
+    logits, the chunked way the unscaled one, and sums the weight's gradient in fp32)."""
+    hidden, weight, labels = inputs()
+    expected = gradients(whole, hidden, weight, labels, torch.bfloat16)
+    got = gradients(chunked.chunked_cross_entropy, hidden, weight, labels, torch.bfloat16)
+    exact = gradients(whole, hidden, weight, labels, torch.float32)
+    assert got[0] == pytest.approx(expected[0], rel=1e-6)
+    for index in (1, 2):
+        assert got[index].dtype == torch.float32
+        chunked_error = float((got[index] - exact[index]).abs().max())
+        whole_error = float((expected[index] - exact[index]).abs().max())
+        assert chunked_error <= 1.5 * whole_error
+
+
+def test_a_frozen_output_layer_gets_no_gradient(seven_tokens_a_chunk):
+    """LoRA and QLoRA: the output layer is frozen; only the hidden states' gradient is made."""
+    hidden, weight, labels = inputs(weight_grad=False)
+    expected = gradients(whole, hidden, weight, labels, torch.float32)
+    got = gradients(chunked.chunked_cross_entropy, hidden, weight, labels, torch.float32)
+    assert got[2] is None and expected[2] is None
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=2e-6)
+
+
+def test_without_gradients_only_the_loss_is_computed(seven_tokens_a_chunk):
+    hidden, weight, labels = inputs()
+    with torch.no_grad():
+        loss = chunked.chunked_cross_entropy(hidden, weight, labels)
+    assert loss.grad_fn is None
+    assert loss.item() == pytest.approx(whole(hidden, weight, labels, torch.float32).item(), rel=1e-6)
+
+
+def test_only_ignored_tokens_give_zero():
+    hidden, weight, labels = inputs()
+    loss = chunked.chunked_cross_entropy(hidden, weight, torch.full_like(labels, IGNORE_INDEX))
+    loss.backward()
+    assert loss.item() == 0.0 and float(hidden.grad.abs().max()) == 0.0 and float(weight.grad.abs().max()) == 0.0
+
+
+def test_the_output_layer_returns_nothing_while_its_input_is_taken():
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(2, 3, H)
+    with chunked.hidden_states_of(head) as seen:
+        out = head(hidden)
+    assert out.shape == (2, 3, 0)
+    assert seen["hidden"] is hidden and seen["weight"] is head.weight
+    assert head(hidden).shape == (2, 3, V) and "forward" not in head.__dict__  # the class's forward again
+
+    def own(x):  # a forward of the instance's own (accelerate's hooks set one): kept
+        return x
+
+    head.forward = own
+    with chunked.hidden_states_of(head):
+        pass
+    assert head.forward is own
+
+
+def test_only_a_plain_output_layer_is_chunked(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=32)
+    model = LlamaForCausalLM(config)
+    assert chunked.chunkable_head(model) is model.lm_head
+    adapted = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert chunked.chunkable_head(adapted) is adapted.base_model.model.lm_head
+    adapted_head = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    assert chunked.chunkable_head(adapted_head) is None
+
+
+def _steps(chunked_loss: bool, precision: str):
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.config import PRESETS, LoopSettings
+    from ptbr.data.batch import windows_to_batch
+
+    model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
+    placement = resolve_precision(torch.device("cpu"), precision)
+    step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
+                     chunked_loss=chunked_loss)
+    assert (step.head is not None) == chunked_loss
+    windows = np.random.default_rng(0).integers(0, 300, size=(12, 33))
+    batch = {k: v.copy() for k, v in windows_to_batch(windows).items()}  # labels are a view of the windows
+    batch["labels"][1, :7] = IGNORE_INDEX
+    micro = [{k: v[:8] for k, v in batch.items()}, {k: v[8:] for k, v in batch.items()}]
+    results = [step.train_step(micro, 1e-4) for _ in range(3)]
+    return results, {n: p.detach().clone() for n, p in model.named_parameters()}, step.eval_loss([batch])
+
+
+@pytest.mark.parametrize("precision, tolerance, norms, weights", [("fp32", 1e-6, 1e-5, 1e-5),
+                                                                  ("bf16", 1e-4, 1e-2, None)])
+def test_training_steps_are_the_whole_logits_ones(monkeypatch, precision, tolerance, norms, weights):
+    """Three AdamW steps (learning rate 1e-4: each moves a weight by up to 1e-4) of two uneven
+    micro-batches, chunked and whole: the same losses, gradient norms and, in fp32, weights, within
+    float noise (AdamW amplifies it in small gradients). In bf16 the gradients differ by bf16's
+    rounding (1e-3 of the norm), which AdamW turns into whole updates of opposite sign where a
+    gradient is near zero: its weights are not compared."""
+    chunked_results, chunked_weights, chunked_eval = _steps(True, precision)
+    whole_results, whole_weights, whole_eval = _steps(False, precision)
+    for a, b in zip(chunked_results, whole_results, strict=True):
+        assert (a.target_tokens, a.input_tokens, a.skipped) == (b.target_tokens, b.input_tokens, b.skipped)
+        assert a.loss == pytest.approx(b.loss, rel=tolerance)
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=norms)
+    assert chunked_eval == pytest.approx(whole_eval, rel=tolerance)
+    for name in whole_weights if weights else ():
+        torch.testing.assert_close(chunked_weights[name], whole_weights[name], rtol=0, atol=weights, msg=name)

@@ -235,6 +235,11 @@ class PretrainConfig(LoopSettings):
     def default_learning_rate(self) -> float:
         return PRESETS[self.model_size].learning_rate if self.model_size in PRESETS else 3e-4
 
+    @property
+    def loss_is_chunked(self) -> bool:
+        """--chunked-loss takes effect (a compiled step computes the whole logits)."""
+        return self.chunked_loss and not self.compile
+
     def problems(self) -> list[str]:
         found = super().problems()
         if not isinstance(self.seq_len, int) or self.seq_len <= 0:

@@ -21,6 +21,8 @@ It is the largest of three moments of a steady-state step (AdamW state already a
   end of forward     = weights + optimizer + activations + all weight copies + the logits
   start of backward  = weights + optimizer + activations + the copies still held + fp32 loss tensors
   end of backward    = weights + optimizer + gradients + one layer's working set
+With gradient accumulation the first two also hold the gradients of the step's earlier
+micro-batches (torch backend; the MLX estimate does not count them yet).
 On CPU this matches the allocated peak of real steps within 1% (tests/test_memory.py); the
 resident-memory and GPU comparison is benchmarks/memory_accuracy.py (the table is in the README).
 """
@@ -213,7 +215,7 @@ def _head_bytes_per_token(arch: Architecture, precision: str) -> int:
 
 def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, precision: str = "fp32",
                              gradient_checkpointing: bool = False, overhead: int = 0, shards: int = 1,
-                             chunked_loss: bool = False) -> MemoryEstimate:
+                             chunked_loss: bool = False, grad_accum: int = 1) -> MemoryEstimate:
     """Predicted peak bytes of full training (pretraining): fp32 weights, AdamW, autocast activations.
 
     shards > 1: FSDP over that many processes (the per-process peak). The weights, gradients and
@@ -221,8 +223,10 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     gathered during the step and two decoder layers are gathered at a time (one computing, one
     prefetched). A planning estimate: FSDP's peak has not been measured against a GPU yet."""
     if shards > 1:
+        # FSDP2 accumulates unsharded gradients (no reduce-scatter until the last micro-batch)
         return _sharded(arch, estimate_training_memory(arch, batch_size, seq_len, precision, gradient_checkpointing,
-                                                       overhead, chunked_loss=chunked_loss), shards)
+                                                       overhead, chunked_loss=chunked_loss, grad_accum=grad_accum),
+                        shards)
     params = arch.parameters
     tokens = batch_size * seq_len
     mixed = precision in ("fp16", "bf16")
@@ -247,6 +251,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     embedding_grad = (4 if mixed else 8) * arch.lm_head_parameters if arch.tie_word_embeddings else 0
     logits = 3 * 4 * tokens * arch.vocab_size
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
+    kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
     if chunked_loss and chunks_the_loss(tokens, arch.vocab_size):
         # the output layer does not run in the forward pass (so autocast makes no copy of it, and
         # nothing saves its input); the loss then holds the final hidden states, their gradient
@@ -260,15 +265,15 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         return MemoryEstimate(
             precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
             activations=activations, logits=loss, overhead=overhead, weight_copies=layer_copies,
-            forward_end=resident + activations + layer_copies + 4 * arch.hidden_size * tokens,
-            backward_start=resident + activations + held + loss,
+            forward_end=resident + kept + activations + layer_copies + 4 * arch.hidden_size * tokens,
+            backward_start=resident + kept + activations + held + loss,
             backward_end=resident + 4 * params + max(working, embedding_grad),
         )
     return MemoryEstimate(
         precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
         activations=activations, logits=logits, overhead=overhead, weight_copies=all_copies,
-        forward_end=resident + activations + all_copies + (2 if mixed else 4) * tokens * arch.vocab_size,
-        backward_start=resident + activations + held_copies + logits,
+        forward_end=resident + kept + activations + all_copies + (2 if mixed else 4) * tokens * arch.vocab_size,
+        backward_start=resident + kept + activations + held_copies + logits,
         backward_end=resident + 4 * params + max(working, embedding_grad),
     )
 
@@ -317,7 +322,7 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
                          quant: str | None = "nf4", precision: str = "bf16", gradient_checkpointing: bool = False,
                          lora_dropout: bool = True, overhead: int = 0,
                          targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down"),
-                         device: str = "cuda", dropout_impl: str = "auto") -> MemoryEstimate:
+                         device: str = "cuda", dropout_impl: str = "auto", grad_accum: int = 1) -> MemoryEstimate:
     """Predicted peak bytes of LoRA (quant=None) or QLoRA (quant="nf4", "int8"; "mlx4" on MLX), as
     ptbr.backends.torch.lora builds it.
 
@@ -378,12 +383,13 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         held_copies = lm_head_copy + adapter_copies
     logits = 3 * 4 * tokens * arch.vocab_size
     resident = base + 16 * adapters + overhead  # adapters: fp32 weights, gradients, AdamW state
+    kept = 4 * adapters if grad_accum > 1 else 0  # the earlier micro-batches' gradients
     return MemoryEstimate(
         precision=precision, weights=base + 4 * adapters, gradients=4 * adapters, optimizer=8 * adapters,
         activations=activations, logits=logits, overhead=overhead, weight_copies=lm_head_copy + adapter_copies,
-        forward_end=(resident + activations + lm_head_copy + adapter_copies + dequantized
+        forward_end=(resident + kept + activations + lm_head_copy + adapter_copies + dequantized
                      + compute * tokens * arch.vocab_size),
-        backward_start=resident + activations + held_copies + logits,
+        backward_start=resident + kept + activations + held_copies + logits,
         backward_end=resident + working,
         quant=quant,
     )
@@ -413,11 +419,12 @@ def lora_targets(target_modules: str | None) -> tuple[str, ...]:
 
 
 def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq_len: int, precision: str,
-                 checkpointing: bool, processes: int = 1) -> MemoryEstimate:
+                 checkpointing: bool, processes: int = 1, *, grad_accum: int) -> MemoryEstimate:
     """The predicted peak, per process, of a run with these settings (PretrainConfig or
     FinetuneConfig) on `target` (cuda | cpu | mps | mlx), the runtime outside the model's tensors
     included. `processes`: data-parallel processes (each holds everything, unless settings.fsdp
-    shards the state among them)."""
+    shards the state among them). `grad_accum`: micro-batches per step at this batch_size (from
+    the second on, the gradients of the earlier ones are kept)."""
     overhead = RUNTIME_BYTES.get(target, RUNTIME_BYTES["cpu"])
     if target == "mlx":
         lora = hasattr(settings, "lora_r")
@@ -427,13 +434,12 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
                                    targets=lora_targets(settings.target_modules) if lora else LORA_ALL)
     if not hasattr(settings, "lora_r"):
         shards = processes if settings.fsdp else 1
-        chunked = settings.chunked_loss and not settings.compile  # as TorchStep decides
         return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards,
-                                        chunked_loss=chunked)
+                                        chunked_loss=settings.loss_is_chunked, grad_accum=grad_accum)
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
                                 targets=lora_targets(settings.target_modules), device=target,
-                                dropout_impl=settings.lora_dropout_impl)
+                                dropout_impl=settings.lora_dropout_impl, grad_accum=grad_accum)
 
 
 # --------------------------------------------------------------------------------------------

@@ -161,9 +161,22 @@ def test_training_steps_are_the_whole_logits_ones(monkeypatch, precision, tolera
     micro-batches, chunked and whole: the same losses, gradient norms and, in fp32, weights, within
     float noise (AdamW amplifies it in small gradients). In bf16 the gradients differ by bf16's
     rounding (1e-3 of the norm), which AdamW turns into whole updates of opposite sign where a
-    gradient is near zero: its weights are not compared."""
+    gradient is near zero: its weights are not compared. Chunks of 50 tokens: the micro-batches of
+    256 and 128 tokens make 6 and 3 chunks (and the whole path's are counted not to chunk)."""
+    calls = []
+    real = chunked.chunked_cross_entropy
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 50)
+    monkeypatch.setattr(chunked, "chunked_cross_entropy", counted)
     chunked_results, chunked_weights, chunked_eval = _steps(True, precision)
+    # 3 steps of 2 micro-batches (256 and 128 tokens), then the evaluation of the 384 tokens at once
+    assert calls == [256, 128] * 3 + [384]
     whole_results, whole_weights, whole_eval = _steps(False, precision)
+    assert len(calls) == 7
     for a, b in zip(chunked_results, whole_results, strict=True):
         assert (a.target_tokens, a.input_tokens, a.skipped) == (b.target_tokens, b.input_tokens, b.skipped)
         assert a.loss == pytest.approx(b.loss, rel=tolerance)

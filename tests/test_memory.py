@@ -104,7 +104,8 @@ def test_activations_are_exactly_what_autograd_saves(precision, checkpointing):
 
 
 def _allocated_peak(backend, batch) -> int:
-    """Peak allocated CPU bytes of one step: what is alive at its start (weights, AdamW state)
+    """Peak allocated CPU bytes of one step (of one micro-batch, or a list of them): what is alive
+    at its start (weights, AdamW state)
     plus the largest rise during it, from torch.profiler's memory events."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -113,7 +114,7 @@ def _allocated_peak(backend, batch) -> int:
     alive += sum(t.numel() * t.element_size() for state in backend.optimizer.state.values()
                  for t in state.values() if torch.is_tensor(t))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        backend.train_step([batch], 1e-3)
+        backend.train_step(batch if isinstance(batch, list) else [batch], 1e-3)
     live = rise = 0
     for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                         key=lambda e: e.start_ns()):
@@ -181,6 +182,39 @@ def test_logits_of_one_chunk_or_less_are_not_chunked():
     assert estimate_training_memory(arch, 8, 256, "fp32", chunked_loss=True) == estimate_training_memory(arch, 8, 256)
     assert estimate_training_memory(arch, 8, 1024, "fp32", chunked_loss=True).total < \
         estimate_training_memory(arch, 8, 1024).total
+
+
+@pytest.mark.parametrize("vocab, precision, checkpointing, chunked", [
+    (4096, "fp32", False, True), (4096, "bf16", True, True), (4096, "fp32", False, False),
+    (4096, "bf16", True, False), (VOCAB, "fp32", False, False)])
+def test_accumulating_micro_batches_keep_the_earlier_gradients(monkeypatch, vocab, precision, checkpointing, chunked):
+    """From a step's second micro-batch on, the gradients of the first are alive during its forward
+    and backward pass: one step of two micro-batches, predicted within 1% (without them the
+    estimate was 4-14% low)."""
+    import torch
+
+    from ptbr import memory
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.data.batch import windows_to_batch
+
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * vocab * 100)
+    placement = resolve_precision(torch.device("cpu"), precision)
+    model = build_model(SMALL, vocab, 0, 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    backend = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
+                        chunked_loss=chunked)
+    batch = windows_to_batch(np.random.default_rng(0).integers(0, vocab, size=(8, 65)))
+    backend.train_step([batch, batch], 1e-3)
+    measured = _allocated_peak(backend, [batch, batch])
+    arch = Architecture.from_preset(SMALL, vocab)
+    predicted = estimate_training_memory(arch, 8, 64, precision, checkpointing, chunked_loss=chunked, grad_accum=2)
+    assert predicted.total == pytest.approx(measured, rel=0.01)
+    alone = estimate_training_memory(arch, 8, 64, precision, checkpointing, chunked_loss=chunked)
+    assert predicted.total - alone.total == predicted.gradients  # the peak is in the forward or at backward start
 
 
 def test_the_chunked_loss_saves_the_whole_logits():

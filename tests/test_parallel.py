@@ -143,6 +143,8 @@ def test_the_chunked_loss_under_ddp_and_fsdp_gives_the_same_model(tmp_path):
         run = ptbr("train", "--output", str(tmp_path / name), "--batch-size", "2", "--num-processes", "2", *flags,
                    *common, env=chunked)
         assert run.returncode == 0, run.stderr[-3000:]
+        assert "chunked loss: 10 tokens per chunk at vocabulary 2,048; micro-batches of 64 tokens are chunked" \
+            in run.stderr
         assert max_difference(tmp_path / name / "final" / "model.safetensors",
                               tmp_path / "whole" / "final" / "model.safetensors") < 1e-5
         losses = [r["loss"] for r in metrics(tmp_path / name)]

@@ -141,7 +141,8 @@ def test_a_fine_tuning_run_records_its_predicted_peak_and_is_reported(toy, tmp_p
     longest = max(len(e.ids) for e in train.examples) - 1
     arch = Architecture.from_hf_config(json.loads((toy.base / "config.json").read_text()))
     config = json.loads((out / "run_config.json").read_text())
-    assert config["predicted_peak_bytes"] == estimate_run(settings, arch, "cpu", 4, longest, "fp32", False).total
+    assert config["predicted_peak_bytes"] == estimate_run(settings, arch, "cpu", 4, longest, "fp32", False,
+                                                          grad_accum=1).total
     shown = table((out / "report.md").read_text())
     assert shown["steps"] == "3 of 3" and shown["status"] == "finished"
     assert (out / "report.md").read_text().startswith("# Run report: run\n\n`ptbr finetune` — base, torch on cpu")

@@ -21,7 +21,7 @@ def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, 
     arch = Architecture.from_preset(preset, vocab_size)
     chunked = setting_default(PretrainConfig, "chunked_loss")  # as `ptbr train` runs by default
     estimates = {p: estimate_training_memory(arch, batch_size, seq_len, p, gradient_checkpointing,
-                                             chunked_loss=chunked).as_dict()
+                                             chunked_loss=chunked, grad_accum=grad_accum).as_dict()
                  for p in PRECISIONS}
     # --backend mlx (Apple Silicon): bf16 on Metal, fp32 master weights
     estimates["mlx-bf16"] = estimate_mlx_memory(arch, batch_size, seq_len, "bf16",

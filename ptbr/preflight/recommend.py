@@ -166,7 +166,7 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
 
     def estimate(batch: int, length: int, checkpointing: bool) -> MemoryEstimate:
         return estimate_run(dataclasses.replace(requested, **sharding), arch, target, batch, length, precision,
-                            checkpointing, processes)
+                            checkpointing, processes, grad_accum=share // batch)
 
     def largest(length: int, checkpointing: bool) -> int | None:
         return next((b for b in _divisors_descending(share) if estimate(b, length, checkpointing).total <= budget),
@@ -216,8 +216,11 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
                        f"of {effective} sequences; predicted peak {gib(chosen.total)} of {gib(budget)} usable"
                        f"{' per GPU' if processes > 1 else ''}")
         if length < planned:
+            one = estimate(1, planned, True)
+            kept = (f" (accumulating micro-batches keep the earlier ones' gradients, {gib(one.gradients)}; "
+                    f"micro-batch 1 needs {gib(one.total)})" if share > 1 else "")
             reasons.append(f"{key} lowered from {planned} to {length}: one sequence of {planned} tokens does not fit "
-                           "even with gradient checkpointing")
+                           f"even with gradient checkpointing{kept}")
         if not asked.total <= budget:
             reasons.append(f"the requested micro-batch {requested.batch_size} x {planned} tokens would need "
                            f"{gib(asked.total)}")

@@ -320,7 +320,8 @@ def predicted_peak_bytes(settings, arch: Architecture, backend, batch_size: int,
     set the measured memory (the main rank's) against it."""
     target = "mlx" if backend.name == "mlx" else backend.device.split(":")[0]
     predicted = estimate_run(settings, arch, target, batch_size, seq_len, backend.precision,
-                             settings.gradient_checkpointing, backend.world.size)
+                             settings.gradient_checkpointing, backend.world.size,
+                             grad_accum=settings.batch_size * settings.grad_accum // batch_size)
     # set against what the backend measures: MLX's allocator peak holds the tensors, not the
     # interpreter and libraries around them (the runtime a plan adds, as RSS on CPU includes it)
     return predicted.total - (predicted.overhead if backend.name == "mlx" else 0)

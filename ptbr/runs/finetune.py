@@ -300,7 +300,8 @@ def _lora_ram_guard(adapted, settings: FinetuneConfig, seq_len: int, precision: 
 
     def step_bytes(batch_size: int) -> int:
         predicted = estimate_run(settings, arch, target, batch_size, seq_len, precision,
-                                 settings.gradient_checkpointing)
+                                 settings.gradient_checkpointing,
+                                 grad_accum=settings.batch_size * settings.grad_accum // batch_size)
         return predicted.total - predicted.weights - predicted.overhead  # those are in RAM already
 
     return ram_guard(step_bytes)

@@ -151,8 +151,8 @@ def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) 
         else:
             def estimate(b):
                 return estimate_training_memory(arch, b, settings.seq_len, backend.precision,
-                                                settings.gradient_checkpointing,
-                                                chunked_loss=settings.chunked_loss and not settings.compile)
+                                                settings.gradient_checkpointing, chunked_loss=settings.loss_is_chunked,
+                                                grad_accum=settings.batch_size * settings.grad_accum // b)
         too_big = ram_guard(lambda b: estimate(b).total)
     choice = auto_fit(backend, make_step, longest_batch, settings.batch_size, settings.grad_accum, too_big)
     return dataclasses.replace(settings, batch_size=choice.batch_size, grad_accum=choice.grad_accum)

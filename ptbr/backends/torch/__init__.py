@@ -82,17 +82,24 @@ class TorchBackend:
             # non-reentrant: the recomputation that DDP's gradient hooks and PEFT support
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+        if settings.loss_is_chunked:
+            from ptbr.memory import chunk_tokens, chunks_the_loss
+
+            tokens, chunk = settings.batch_size * settings.seq_len, chunk_tokens(vocab_size)
+            log(f"chunked loss: {chunk} tokens per chunk at vocabulary {vocab_size:,}; micro-batches of {tokens} "
+                + ("tokens are chunked" if chunks_the_loss(tokens, vocab_size)
+                   else "tokens are not (their logits fit one chunk)"))
         if settings.fsdp and self.world.size > 1:
             shard(model)
             optimizer = build_optimizer(model, settings, self.placement.device, fused=False)
             return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, sharded=True,
-                             chunked_loss=settings.chunked_loss)
+                             chunked_loss=settings.loss_is_chunked)
         optimizer = build_optimizer(model, settings, self.placement.device)
         if settings.compile:
             log("--compile: the first step compiles the forward pass and the loss with torch.compile (tens of "
                 "seconds on a CPU; a later run of the same shapes reuses the compiled code)")
         return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model),
-                         compile=settings.compile, chunked_loss=settings.chunked_loss)
+                         compile=settings.compile, chunked_loss=settings.loss_is_chunked)
 
     def parameter_count(self, step: TorchStep) -> int:
         from ptbr.backends.torch.models import count_parameters

@@ -3,15 +3,17 @@ time (--chunked-loss, the default without --compile).
 
 The plain way computes the (tokens x vocab) logits whole, upcasts them to fp32 and hands them to
 F.cross_entropy; at a 32k vocabulary that is 128 KiB per token, and three such fp32 tensors are
-alive when the backward pass starts (the largest part of a small model's peak: 770 MiB for 85m at
-batch 2 x 256 in fp32 against 1 GiB for its weights and AdamW state). The chunked way takes the
+alive when the backward pass starts (for 85m at batch 8 x 1024: 3,000 MiB, against 0.94 GiB for
+its weights and AdamW state). The chunked way takes the
 final hidden states instead, and for each chunk of tokens computes the logits, the summed loss and,
 right away, the loss's gradients with respect to the hidden states and the output layer's weight
 (softmax minus the one-hot target, times the weight or the hidden states). Only one chunk's logits
 exist at a time; what the backward pass gets is the two gradients, scaled by its incoming gradient.
 The matrix multiplies are the same three as the plain way's (forward, and the two of its backward),
-in the same precision (autocast's 16-bit type, or fp32), so no time is spent recomputing: measured
-on CPUs the step is as fast or faster, because the logits stay in cache (README, "Performance").
+in the same precision (autocast's 16-bit type, or fp32), so nothing is recomputed. On a CPU the
+step is as fast or faster, because the logits stay in cache (README, "Performance"). On a GPU it
+is not measured yet: there each chunk's weight gradient is a matrix multiply over only 262 tokens
+(at a 32k vocabulary) added into the fp32 (vocab x hidden) gradient, which may cost time.
 
 The output layer still runs inside the model's forward pass (through DDP's or FSDP's wrapper, which
 need it to), only it returns nothing while `hidden_states_of` holds it: it records its input and its
@@ -23,17 +25,19 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ptbr.data.batch import IGNORE_INDEX
 from ptbr.memory import chunk_tokens
 
 
 def chunkable_head(model):
-    """The model's output layer if the chunked loss can compute with it (a plain Linear without a
-    bias, frozen or trained: pretraining, LoRA, QLoRA, which leaves it unquantized), else None (a
-    LoRA-adapted or quantized lm_head: the plain loss)."""
+    """The model's output layer if the chunked loss can compute with it: a plain Linear without a
+    bias (trained, as in pretraining, or frozen: the Function supports it, fine-tuning does not use
+    it yet), and without accelerate's hooks (offloading moves its weight in its forward, which the
+    swap skips). Else None: a LoRA-adapted, quantized or offloaded lm_head keeps the plain loss."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is torch.nn.Linear and head.bias is None:
+    if type(head) is torch.nn.Linear and head.bias is None and not hasattr(head, "_hf_hook"):
         return head
     return None
 
@@ -41,7 +45,13 @@ def chunkable_head(model):
 @contextmanager
 def hidden_states_of(head):
     """Within the block, calling `head` records its input and weight in the yielded dict and
-    returns an empty tensor instead of the logits."""
+    returns an empty tensor instead of the logits.
+
+    What this relies on: DDP (built without find_unused_parameters) waits for every parameter's
+    gradient hook, which fires when the loss's backward hands the weight its gradient; FSDP2 keeps
+    the root unit's weight gathered from its forward through the backward pass, and reduces the
+    gradients of a unit whose output took no part in the graph in its final backward callback
+    (tests/test_parallel.py trains both against one process)."""
     seen: dict = {}
 
     def record(hidden):
@@ -70,6 +80,9 @@ def chunked_cross_entropy(hidden, weight, labels, dtype=None):
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Its backward scales the gradients made in the forward pass in place: one backward pass per
+    forward (a second, with retain_graph, fails loudly on the tensors' version counters)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, labels, dtype, chunk, grad_hidden, grad_weight):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -109,6 +122,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total):
         d_hidden, d_weight = ctx.saved_tensors
         if d_hidden is not None:

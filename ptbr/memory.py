@@ -22,7 +22,7 @@ It is the largest of three moments of a steady-state step (AdamW state already a
   start of backward  = weights + optimizer + activations + the copies still held + fp32 loss tensors
   end of backward    = weights + optimizer + gradients + one layer's working set
 With gradient accumulation the first two also hold the gradients of the step's earlier
-micro-batches (torch backend; the MLX estimate does not count them yet).
+micro-batches (torch; the MLX estimate counts the gradients in each of its moments already).
 On CPU this matches the allocated peak of real steps within 1% (tests/test_memory.py); the
 resident-memory and GPU comparison is benchmarks/memory_accuracy.py (the table is in the README).
 """

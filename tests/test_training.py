@@ -208,18 +208,18 @@ def test_run_directory_layout_and_first_step_log(tmp_path, capsys):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_precision_on_a_cpu(monkeypatch, native):
-    """Pretraining (cpu_bf16=True) picks bf16 autocast where the CPU multiplies bf16 in hardware,
-    fp32 elsewhere; fine-tuning (the default, cpu_bf16=False) and explicit precisions are kept."""
+    """Pretraining (pretraining=True) picks bf16 autocast where the CPU multiplies bf16 in hardware,
+    fp32 elsewhere; fine-tuning (the default, pretraining=False) and explicit precisions are kept."""
     from ptbr.backends.torch import device as devices
 
     monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
     cpu = torch.device("cpu")
-    placement = devices.resolve_precision(cpu, "auto", cpu_bf16=True)
+    placement = devices.resolve_precision(cpu, "auto", pretraining=True)
     assert placement.precision == ("bf16" if native else "fp32")
     assert ("natively" in placement.reason) == native
     assert placement.autocast_dtype == (torch.bfloat16 if native else None)
     assert devices.resolve_precision(cpu, "auto").precision == "fp32"
-    assert devices.resolve_precision(cpu, "fp32", cpu_bf16=True).precision == "fp32"
+    assert devices.resolve_precision(cpu, "fp32", pretraining=True).precision == "fp32"
     assert devices.resolve_precision(cpu, "bf16").precision == "bf16"
 
 

@@ -87,9 +87,10 @@ def resolve_name(requested: str) -> str:
     return requested
 
 
-def create_backend(requested: str, device: str = "auto", precision: str = "auto", cpu_bf16: bool = False) -> Any:
+def create_backend(requested: str, device: str = "auto", precision: str = "auto", pretraining: bool = False) -> Any:
     """The backend for --backend/--device/--precision, with its device probed for real.
-    `cpu_bf16`: --precision auto may pick bf16 on a CPU that computes it natively (torch; pretraining)."""
+    `pretraining`: --precision auto may pick bf16 on a CPU that computes it natively (torch; see
+    ptbr.precision)."""
     name = resolve_name(requested)
     library = "mlx" if name == "mlx" else "torch"
     if importlib.util.find_spec(library) is None:
@@ -103,4 +104,4 @@ def create_backend(requested: str, device: str = "auto", precision: str = "auto"
         return MlxBackend.create(device, precision)
     from ptbr.backends.torch import TorchBackend
 
-    return TorchBackend.create(device, precision, cpu_bf16)
+    return TorchBackend.create(device, precision, pretraining)

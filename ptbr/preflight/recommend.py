@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ptbr.config import FinetuneConfig, LoopSettings
 from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run
+from ptbr.precision import auto_precision
 from ptbr.preflight.hardware import Hardware
 
 # Share of the free memory a run may plan to use: the rest absorbs allocator overhead and model
@@ -84,9 +85,11 @@ def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "au
 
 def choose_precision(hardware: Hardware, target: str, requested: str, reasons: list[str],
                      mode: str = "pretrain") -> str:
+    """`auto` as the run will resolve it (ptbr.precision.auto_precision); an explicit precision the
+    target cannot run is replaced, with the reason (the run itself would refuse it)."""
     if target == "cuda" and hardware.gpus:
         gpu = hardware.gpus[0]
-        native = "bf16" if gpu.real_bf16 else "fp16"
+        native = auto_precision("cuda", gpu.real_bf16, mode == "pretrain")
         if requested in ("auto", native, "fp32"):
             if requested == "auto" and native == "fp16":
                 reasons.append(f"precision fp16 with GradScaler: the {gpu.name} (compute {gpu.compute_capability}) "
@@ -97,14 +100,16 @@ def choose_precision(hardware: Hardware, target: str, requested: str, reasons: l
         reasons.append(f"precision {native} instead of {requested}: the {gpu.name} "
                        f"{'has no native bf16' if native == 'fp16' else 'trains better in bf16'}")
         return native
-    if target == "mlx":
-        return "bf16" if requested == "auto" else requested
-    if requested == "auto" and target == "cpu" and mode == "pretrain" and hardware.cpu_bf16:
-        reasons.append("precision bf16 (autocast, fp32 weights): this CPU computes bf16 natively (AVX512-BF16 or "
-                       "AMX), about 1.6x faster than fp32 at 85m")
-        return "bf16"
-    if requested in ("auto", "fp32") or (requested == "bf16" and target == "cpu"):
-        return "fp32" if requested == "auto" else requested
+    if requested == "auto":
+        if target == "cuda":  # --device cuda on a machine without a GPU (the checks fail on it)
+            return "fp32"
+        chosen = auto_precision(target, target == "cpu" and hardware.cpu_bf16, mode == "pretrain")
+        if target == "cpu" and chosen == "bf16":
+            reasons.append("precision bf16 (autocast, fp32 weights): this CPU computes bf16 natively (AVX512-BF16 or "
+                           "AMX), about 1.6x faster than fp32 at 85m")
+        return chosen
+    if target == "mlx" or requested == "fp32" or (requested == "bf16" and target == "cpu"):
+        return requested
     reasons.append(f"precision fp32 instead of {requested}: {requested} needs a CUDA GPU")
     return "fp32"
 

@@ -43,7 +43,7 @@ from ptbr.train.watchdog import Watchdog
 def run_pretrain(settings: PretrainConfig) -> dict:
     """Pretrain a preset from scratch (or resume); returns training_summary.json's contents."""
     # on a CPU that computes bf16 natively, --precision auto pretrains in bf16 autocast
-    backend = create_backend(settings.backend, settings.device, settings.precision, cpu_bf16=True)
+    backend = create_backend(settings.backend, settings.device, settings.precision, pretraining=True)
     refuse_auto_fit_in_parallel(settings, backend.world)
     if settings.compile:  # a torch option: MLX refused it before the backend was made
         backend.check_compile()

@@ -33,9 +33,9 @@ class TorchBackend:
         self.world = world or SingleProcess()
 
     @classmethod
-    def create(cls, device: str = "auto", precision: str = "auto", cpu_bf16: bool = False) -> TorchBackend:
+    def create(cls, device: str = "auto", precision: str = "auto", pretraining: bool = False) -> TorchBackend:
         """The device and precision; under torchrun or `accelerate launch`, also this process's rank
-        (its own GPU) in the run's process group. `cpu_bf16`: see resolve_precision."""
+        (its own GPU) in the run's process group. `pretraining`: see resolve_precision."""
         world = world_from_env()
         resolved = resolve_device(device)
         if world is not None:
@@ -47,7 +47,7 @@ class TorchBackend:
             world.start(resolved)
             if not world.is_main:  # one rank speaks for the run; the others say only what goes wrong
                 logging.getLogger("ptbr").setLevel(logging.WARNING)
-        return cls(resolve_precision(resolved, precision, cpu_bf16), world)
+        return cls(resolve_precision(resolved, precision, pretraining), world)
 
     def check_compile(self) -> None:
         """--compile: refused where torch.compile cannot run here (before the run directory is made)."""

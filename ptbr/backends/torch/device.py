@@ -75,21 +75,22 @@ def resolve_device(name: str):
     return device
 
 
-def resolve_precision(device, requested: str, cpu_bf16: bool = False) -> Placement:
-    """`cpu_bf16`: auto picks bf16 autocast on a CPU that computes bf16 natively (pretraining, where
-    it is measured about 1.6x faster at 85m; fine-tuning stays fp32 on CPU, where it is not faster)."""
+def resolve_precision(device, requested: str, pretraining: bool = False) -> Placement:
+    """The run's precision on `device`; `auto` as ptbr.precision.auto_precision rules (on a CPU,
+    bf16 only for pretraining)."""
     import torch
+
+    from ptbr.precision import auto_precision
 
     kind = device.type
     if requested == "auto":
-        if kind == "cuda":
-            if has_real_bf16():
-                return Placement(device, "bf16", "the GPU has native bf16")
-            return Placement(device, "fp16", "the GPU has no native bf16 (T4-class): fp16 with GradScaler")
-        if kind == "cpu" and cpu_bf16 and cpu_has_native_bf16():
-            return Placement(device, "bf16", "the CPU computes bf16 natively: autocast, fp32 weights; "
-                                             "--precision fp32 for fp32 throughout")
-        return Placement(device, "fp32", f"{kind}: fp32")
+        native = has_real_bf16() if kind == "cuda" else (kind == "cpu" and pretraining and cpu_has_native_bf16())
+        chosen = auto_precision(kind, native, pretraining)
+        reason = {("cuda", "bf16"): "the GPU has native bf16",
+                  ("cuda", "fp16"): "the GPU has no native bf16 (T4-class): fp16 with GradScaler",
+                  ("cpu", "bf16"): "the CPU computes bf16 natively: autocast, fp32 weights; --precision fp32 for "
+                                   "fp32 throughout"}.get((kind, chosen), f"{kind}: {chosen}")
+        return Placement(device, chosen, reason)
     if requested == "fp16" and kind == "cpu":
         raise DeviceError("fp16 training needs a GPU", "--precision fp16", "use --precision fp32 (or bf16) on CPU")
     if requested == "bf16" and kind == "cuda" and not has_real_bf16():

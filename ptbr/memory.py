@@ -252,27 +252,22 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     logits = 3 * 4 * tokens * arch.vocab_size
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
     kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
+    forward_output = (2 if mixed else 4) * tokens * arch.vocab_size  # the logits
     if chunked_loss and chunks_the_loss(tokens, arch.vocab_size):
         # the output layer does not run in the forward pass (so autocast makes no copy of it, and
         # nothing saves its input); the loss then holds the final hidden states, their gradient
         # and the output layer's gradient, and works on one chunk of logits at a time
         activations -= (2 if mixed else 4) * arch.hidden_size * tokens  # the output layer's (cast) input
-        layer_copies = all_copies - lm_head_copy
-        held = held_copies - lm_head_copy
-        loss = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4)
+        all_copies -= lm_head_copy
+        held_copies -= lm_head_copy
+        forward_output = 4 * arch.hidden_size * tokens  # the final hidden states
+        logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4)
         # the output layer's gradient exists before the embedding's: that one is added in place
         embedding_grad = 4 * arch.lm_head_parameters if arch.tie_word_embeddings else 0
-        return MemoryEstimate(
-            precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
-            activations=activations, logits=loss, overhead=overhead, weight_copies=layer_copies,
-            forward_end=resident + kept + activations + layer_copies + 4 * arch.hidden_size * tokens,
-            backward_start=resident + kept + activations + held + loss,
-            backward_end=resident + 4 * params + max(working, embedding_grad),
-        )
     return MemoryEstimate(
         precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
         activations=activations, logits=logits, overhead=overhead, weight_copies=all_copies,
-        forward_end=resident + kept + activations + all_copies + (2 if mixed else 4) * tokens * arch.vocab_size,
+        forward_end=resident + kept + activations + all_copies + forward_output,
         backward_start=resident + kept + activations + held_copies + logits,
         backward_end=resident + 4 * params + max(working, embedding_grad),
     )

@@ -406,6 +406,32 @@ def test_auto_fit_halves_until_a_step_fits():
         auto_fit(backend, lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
 
 
+@pytest.mark.parametrize("compile, chunked", [(False, True), (True, False)])
+def test_auto_fit_probes_run_eager_with_the_run_s_own_loss(monkeypatch, compile, chunked):
+    """A --compile run computes the whole logits: its eager probes must too, or they would measure
+    the chunked loss's smaller peak and pick a micro-batch the run cannot hold."""
+    from types import SimpleNamespace
+
+    from ptbr.runs import pretrain
+
+    probes = []
+
+    class Backend:
+        name, device = "torch", "cuda"  # no RAM guard
+
+        def pretrain_step(self, preset, vocab_size, eos_id, pad_id, settings):
+            probes.append(settings)
+
+    def one_probe(backend, make_step, longest_batch, batch_size, grad_accum, too_big):
+        make_step(batch_size)
+        return SimpleNamespace(batch_size=batch_size, grad_accum=grad_accum)
+
+    monkeypatch.setattr(pretrain, "auto_fit", one_probe)
+    dataset = SimpleNamespace(meta=None, vocab_size=300, eos_id=0)
+    pretrain._auto_fit(PretrainConfig(compile=compile), Backend(), dataset, PRESETS["tiny"])
+    assert not probes[0].compile and probes[0].chunked_loss == chunked
+
+
 def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -129,10 +129,11 @@ def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) 
 
     def make_step(batch_size: int):
         # probes run eager: one compile per probed size would cost tens of seconds each, and the
-        # compiled step keeps no more activations than the eager one
+        # compiled step keeps no more activations than the eager one; with the run's own loss (a
+        # compiled run computes the whole logits, so its probes do too)
         pad_id = dataset.meta.get("pad_id") if dataset.meta else None
-        return backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id,
-                                     dataclasses.replace(settings, batch_size=batch_size, compile=False))
+        probe = dataclasses.replace(settings, batch_size=batch_size, compile=False, chunked_loss=settings.loss_is_chunked)
+        return backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id, probe)
 
     def longest_batch(batch_size: int) -> dict:
         windows = RandomWindows(dataset.train, dataset.train_path, batch_size, settings.seq_len, dataset.vocab_size,
@@ -141,18 +142,17 @@ def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) 
 
     too_big = None
     if backend.device == "cpu":
-        from ptbr.memory import Architecture, estimate_mlx_memory, estimate_training_memory
+        from ptbr.memory import Architecture, estimate_run
 
         arch = Architecture.from_preset(preset, dataset.vocab_size)
-        if backend.name == "mlx":
-            def estimate(b):
-                return estimate_mlx_memory(arch, b, settings.seq_len, backend.precision,
-                                           gradient_checkpointing=settings.gradient_checkpointing)
-        else:
-            def estimate(b):
-                return estimate_training_memory(arch, b, settings.seq_len, backend.precision,
-                                                settings.gradient_checkpointing, chunked_loss=settings.loss_is_chunked,
-                                                grad_accum=settings.batch_size * settings.grad_accum // b)
-        too_big = ram_guard(lambda b: estimate(b).total)
+        target = "mlx" if backend.name == "mlx" else "cpu"
+
+        def step_bytes(batch_size: int) -> int:
+            predicted = estimate_run(settings, arch, target, batch_size, settings.seq_len, backend.precision,
+                                     settings.gradient_checkpointing,
+                                     grad_accum=settings.batch_size * settings.grad_accum // batch_size)
+            return predicted.total - predicted.overhead  # the interpreter is in RAM already
+
+        too_big = ram_guard(step_bytes)
     choice = auto_fit(backend, make_step, longest_batch, settings.batch_size, settings.grad_accum, too_big)
     return dataclasses.replace(settings, batch_size=choice.batch_size, grad_accum=choice.grad_accum)

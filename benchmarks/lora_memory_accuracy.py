@@ -29,13 +29,18 @@ BASE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_a
         "num_key_value_heads": 2, "intermediate_size": 3584, "max_position_embeddings": 4096}
 WARM = BASE | {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
                "intermediate_size": 224, "vocab_size": 256}
-# (quant, precision, gradient_checkpointing, batch_size, seq_len)
+# (quant, precision, gradient_checkpointing, batch_size, seq_len, chunked_loss)
 GRIDS = {
-    "cpu": [("none", "fp32", False, 4, 256), ("none", "bf16", False, 4, 256), ("4bit", "fp32", False, 4, 256),
-            ("4bit", "bf16", False, 4, 256), ("4bit", "bf16", False, 8, 512), ("4bit", "bf16", True, 8, 512),
-            ("none", "bf16", True, 8, 512)],
-    "cuda": [(quant, precision, checkpointing, batch, seq) for quant in ("4bit", "none") for precision in ("bf16", "fp16")
-             for checkpointing in (False, True) for batch, seq in ((4, 1024), (16, 2048))],
+    "cpu": [("none", "fp32", False, 4, 256, False), ("none", "bf16", False, 4, 256, False),
+            ("4bit", "fp32", False, 4, 256, False), ("4bit", "bf16", False, 4, 256, False),
+            ("4bit", "bf16", False, 8, 512, False), ("4bit", "bf16", True, 8, 512, False),
+            ("none", "bf16", True, 8, 512, False),
+            # the chunked loss (`ptbr finetune`'s default)
+            ("4bit", "fp32", False, 4, 256, True), ("4bit", "bf16", False, 8, 512, True),
+            ("4bit", "bf16", True, 8, 512, True), ("none", "bf16", True, 8, 512, True)],
+    "cuda": [(quant, precision, checkpointing, batch, seq, chunked) for quant in ("4bit", "none")
+             for precision in ("bf16", "fp16") for checkpointing in (False, True)
+             for batch, seq in ((4, 1024), (16, 2048)) for chunked in (False, True)],
 }
 RANK, DROPOUT = 16, 0.05
 STEPS = 3
@@ -56,7 +61,8 @@ def predict(point: dict) -> dict:
     quant = {"none": None, "4bit": "nf4"}[point["quant"]]
     estimate = estimate_lora_memory(Architecture.from_hf_config(BASE), point["batch_size"], point["seq_len"], RANK,
                                     quant, point["precision"], point["gradient_checkpointing"],
-                                    lora_dropout=DROPOUT > 0, device=point["device"])
+                                    lora_dropout=DROPOUT > 0, device=point["device"],
+                                    chunked_loss=point["chunked_loss"])
     return {"predicted": estimate.total, "phase": estimate.peak_phase}
 
 
@@ -79,7 +85,8 @@ def measure(point: dict) -> dict:
         settings = FinetuneConfig(base=base, data="unused", quant=point["quant"], lora_r=RANK, lora_dropout=DROPOUT,
                                   gradient_checkpointing=point["gradient_checkpointing"])
         model = load_model(settings, placement).model
-        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0, chunked_loss=False)
+        return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0,
+                         chunked_loss=point["chunked_loss"])
 
     def batch(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> dict:
         ids = np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len))
@@ -111,15 +118,15 @@ def run_grid(device: str, timeout: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         save_base(BASE, Path(tmp) / "base")
         save_base(WARM, Path(tmp) / "warm")
-        for quant, precision, checkpointing, batch_size, seq_len in GRIDS[device]:
+        for quant, precision, checkpointing, batch_size, seq_len, chunked in GRIDS[device]:
             point = {"quant": quant, "precision": precision, "gradient_checkpointing": checkpointing,
-                     "batch_size": batch_size, "seq_len": seq_len, "device": device,
+                     "batch_size": batch_size, "seq_len": seq_len, "chunked_loss": chunked, "device": device,
                      "base": str(Path(tmp) / "base"), "warm": str(Path(tmp) / "warm")}
             row = {k: v for k, v in point.items() if k not in ("base", "warm")} | predict(point)
             row = measure_in_fresh_process(__file__, point, row, timeout, also={"rss": ("rss_error_pct", 1)},
                                          decimals=2)
             print(json.dumps({k: row.get(k) for k in ("quant", "precision", "gradient_checkpointing", "batch_size",
-                                                          "seq_len", "predicted", "measured", "error_pct", "failed")}),
+                                                          "seq_len", "chunked_loss", "predicted", "measured", "error_pct", "failed")}),
                   file=sys.stderr, flush=True)
             rows.append(row)
     return rows
@@ -127,8 +134,8 @@ def run_grid(device: str, timeout: int) -> list[dict]:
 
 def markdown(rows: list[dict], device: str) -> str:
     measured_as = "allocated peak" if device == "cpu" else "max_memory_allocated"
-    head = f"| base | quant | precision | grad. ckpt | batch × seq | predicted MiB | {measured_as} MiB | error |"
-    rule = "|---|---|---|---|---|---|---|---|"
+    head = f"| base | quant | precision | grad. ckpt | loss | batch × seq | predicted MiB | {measured_as} MiB | error |"
+    rule = "|---|---|---|---|---|---|---|---|---|"
     if device == "cpu":
         head += " peak RSS growth MiB | error |"
         rule += "---|---|"
@@ -137,7 +144,8 @@ def markdown(rows: list[dict], device: str) -> str:
         if "failed" in r:
             continue
         line = (f"| Mistral-shaped 0.24B | {r['quant']} | {r['precision']} | "
-                f"{'yes' if r['gradient_checkpointing'] else 'no'} | {r['batch_size']} × {r['seq_len']} | "
+                f"{'yes' if r['gradient_checkpointing'] else 'no'} | {'chunked' if r.get('chunked_loss') else 'whole'} | "
+                f"{r['batch_size']} × {r['seq_len']} | "
                 f"{r['predicted'] / 2**20:,.0f} | {r['measured'] / 2**20:,.0f} | {r['error_pct']:+.2f}% |")
         if device == "cpu":
             line += f" {r['rss'] / 2**20:,.0f} | {r['rss_error_pct']:+.1f}% |"

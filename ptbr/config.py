@@ -140,6 +140,10 @@ class LoopSettings:
     fsdp: bool = setting(False, "Shard weights, gradients and AdamW state across the processes (FSDP) instead of "
                          "copying the model to each (DDP): for models whose training state does not fit one GPU.")
     gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass to save memory.")
+    chunked_loss: bool = setting(
+        True, "Where a micro-batch's fp32 logits over the vocabulary would exceed 32 MiB, compute the cross-entropy "
+        "and its gradient 32 MiB of logits at a time, so that the whole logits never exist: the same loss with less "
+        "memory (torch backend; `train --compile` uses the whole logits).")
     auto_fit: bool = setting(
         False, "Before training, run a real step on the longest batch and halve batch_size (doubling grad_accum) "
         "until it fits; an out-of-memory later resumes from the last checkpoint the same way.")
@@ -160,6 +164,11 @@ class LoopSettings:
         collect(self.problems(), ConfigError, "settings", SETTINGS_FIX)
 
     optional_paths: ClassVar[tuple[str, ...]] = ()  # path settings that may be left out, never given as ""
+
+    @property
+    def loss_is_chunked(self) -> bool:
+        """--chunked-loss takes effect (ptbr/backends/torch/loss.py; the MLX backend has its own loss)."""
+        return self.chunked_loss
 
     def default_learning_rate(self) -> float:
         return 2e-4
@@ -223,10 +232,6 @@ class PretrainConfig(LoopSettings):
     tokenizer: str | None = setting(None, "tokenizer.json (needed for datasets without meta.json).")
     model_size: str = setting("tiny", "Model preset: tiny, 85m, 400m or 800m.")
     seq_len: int = setting(256, "Tokens per training sequence.")
-    chunked_loss: bool = setting(
-        True, "Where a micro-batch's fp32 logits over the vocabulary would exceed 32 MiB, compute the cross-entropy "
-        "and its gradient 32 MiB of logits at a time, so that the whole logits never exist: the same loss with less "
-        "memory (torch backend; --compile uses the whole logits).")
     compile: bool = setting(
         False, "Compile the model's forward pass and the loss with torch.compile (torch backend, one process, CPU "
         "or CUDA; needs a C/C++ compiler): faster steps after a compile of tens of seconds at the first step.")
@@ -238,7 +243,7 @@ class PretrainConfig(LoopSettings):
     @property
     def loss_is_chunked(self) -> bool:
         """--chunked-loss takes effect (a compiled step computes the whole logits)."""
-        return self.chunked_loss and not self.compile
+        return super().loss_is_chunked and not self.compile
 
     def problems(self) -> list[str]:
         found = super().problems()

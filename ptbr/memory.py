@@ -12,9 +12,9 @@ What lives on the device during a step of a Llama-style decoder, in bytes:
   cached until the forward pass ends and, without gradient checkpointing, held by the backward pass.
 - logits: the loss upcasts the (B, T, vocab) logits to fp32; at the start of the backward pass the
   log-softmax output, its gradient and the logits' gradient are alive together (3 x 4 B).
-  Pretraining's chunked loss (--chunked-loss, the default without --compile) holds instead the
-  final hidden states, their gradient, the output layer's gradient and one chunk's logits (32 MiB
-  in fp32): in that field, and in the start-of-backward moment, where the loss's forward peaks.
+  The chunked loss (--chunked-loss, the default without --compile) holds instead the final hidden
+  states, their gradient, the output layer's gradient (pretraining: fine-tuning's is frozen) and one
+  chunk's logits (32 MiB in fp32): in that field, and in the moment where the loss's forward peaks.
 
 The peak is not the sum of those: activations are freed layer by layer while gradients are made.
 It is the largest of three moments of a steady-state step (AdamW state already allocated):
@@ -317,7 +317,8 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
                          quant: str | None = "nf4", precision: str = "bf16", gradient_checkpointing: bool = False,
                          lora_dropout: bool = True, overhead: int = 0,
                          targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down"),
-                         device: str = "cuda", dropout_impl: str = "auto", grad_accum: int = 1) -> MemoryEstimate:
+                         device: str = "cuda", dropout_impl: str = "auto", grad_accum: int = 1,
+                         chunked_loss: bool = False) -> MemoryEstimate:
     """Predicted peak bytes of LoRA (quant=None) or QLoRA (quant="nf4", "int8"; "mlx4" on MLX), as
     ptbr.backends.torch.lora builds it.
 
@@ -326,7 +327,9 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
     quantized: the base in the compute dtype. Adapters train in fp32 with AdamW. Derived from the
     tensors autograd saves on CPU, and checked against the allocated peak of real CPU steps
     (tests/test_memory.py); `device` only sets the size of dropout's masks. No GPU measurement
-    yet (see the README table).
+    yet (see the README table). With gradient checkpointing the backward pass recomputes one layer
+    at a time while every layer's checkpointed input is still alive (backward_end counts both).
+    chunked_loss: the loss of ptbr/backends/torch/loss.py (see below); its estimate is an upper bound.
     """
     if quant is not None and quant not in QUANT_BYTES:
         raise ValueError(f"unknown quantization {quant!r} (known: None, {', '.join(QUANT_BYTES)})")
@@ -379,15 +382,52 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
     logits = 3 * 4 * tokens * arch.vocab_size
     resident = base + 16 * adapters + overhead  # adapters: fp32 weights, gradients, AdamW state
     kept = 4 * adapters if grad_accum > 1 else 0  # the earlier micro-batches' gradients
-    return MemoryEstimate(
+    estimate = MemoryEstimate(
         precision=precision, weights=base + 4 * adapters, gradients=4 * adapters, optimizer=8 * adapters,
         activations=activations, logits=logits, overhead=overhead, weight_copies=lm_head_copy + adapter_copies,
         forward_end=(resident + kept + activations + lm_head_copy + adapter_copies + dequantized
                      + compute * tokens * arch.vocab_size),
         backward_start=resident + kept + activations + held_copies + logits,
-        backward_end=resident + working,
+        backward_end=resident + working + (kept + activations if gradient_checkpointing else 0),
         quant=quant,
     )
+    if not (chunked_loss and chunks_the_loss(tokens, arch.vocab_size)):
+        return estimate
+    # The chunked loss: the output layer does not run in the forward pass (autocast saves no copy
+    # of it); the loss holds the final hidden states, their gradient and one chunk's work. With
+    # the whole logits gone, the last decoder layer can be the peak: its forward and backward
+    # passes make intermediate-sized tensors while every layer's activations are alive. Counted
+    # as the recomputed layer's are with checkpointing (three intermediate-sized tensors, the
+    # dequantized weight, peft's fp32 casts): an upper bound, measured 1-10% above the real peak
+    # of a three-layer model (1-21% with checkpointing), 1-3% at eight layers (tests/test_memory.py).
+    copies = held_copies - lm_head_copy
+    if gradient_checkpointing:
+        layer = working
+    else:
+        mlp_grad = 4 if quant is not None else compute
+        layer = 3 * mlp_grad * arch.intermediate_size * tokens + dequantized
+        if quant is None and compute < 4:
+            layer += 2 * 4 * arch.intermediate_size * tokens
+    loss = _lora_chunked_loss_bytes(arch, tokens, compute, residual)
+    return dataclasses.replace(
+        estimate, logits=loss, weight_copies=adapter_copies,
+        forward_end=resident + kept + activations + copies + loss,
+        backward_start=resident + kept + activations + copies + layer)
+
+
+def _lora_chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, hidden: int) -> int:
+    """The chunked loss of a frozen output layer at its peak: the final hidden states (`hidden`
+    bytes per value: fp32 behind a quantized base, else the compute dtype) and their fp32
+    gradient; one chunk's work (fp32: its logits and one matmul output; 16 bits: the logits
+    before and after their fp32 upcast and the gradient of the logits cast back), and where the
+    output layer is fp32 under autocast (QLoRA) its 16-bit copy and the chunk's cast hidden states."""
+    h, vocab = arch.hidden_size, arch.vocab_size
+    chunk = min(chunk_tokens(vocab), tokens)
+    held = hidden * h * tokens + 4 * h * tokens
+    if compute == 4:
+        return held + 4 * chunk * vocab + 4 * chunk * h
+    casts = 2 * vocab * h + 2 * chunk * h if hidden == 4 else 0
+    return held + casts + 6 * chunk * vocab
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,7 +474,8 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
                                 targets=lora_targets(settings.target_modules), device=target,
-                                dropout_impl=settings.lora_dropout_impl, grad_accum=grad_accum)
+                                dropout_impl=settings.lora_dropout_impl, grad_accum=grad_accum,
+                                chunked_loss=settings.loss_is_chunked)
 
 
 # --------------------------------------------------------------------------------------------

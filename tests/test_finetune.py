@@ -225,6 +225,59 @@ def test_qlora_4bit_on_cpu_learns_and_the_adapter_reloads_in_peft(toy, tmp_path)
         assert torch.allclose(logits_of(reloaded, batch), logits_of(result.model, batch), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("quant, precision, lr, tolerance, weights", [("4bit", "fp32", "1e-2", 1e-6, 1e-5),
+                                                                   ("none", "bf16", "1e-4", 1e-3, None)])
+def test_the_chunked_loss_fine_tunes_as_the_whole_logits_do(toy, tmp_path, monkeypatch, quant, precision, lr, tolerance,
+                                                            weights):
+    """`ptbr finetune` with the chunked loss (the default) and with --no-chunked-loss, where the
+    micro-batches chunk (chunks of 20 tokens here: the toy's are ~4 x 30 tokens): the same losses,
+    gradient norms, validation losses and, in fp32, adapter weights, within float noise. QLoRA
+    keeps its output layer and hidden states in fp32; plain LoRA in bf16 has both in bf16, whose
+    rounding differs between the two ways (as the whole logits' own bf16 error), and which AdamW
+    turns into whole updates where a gradient is near zero: a small learning rate there, and its
+    weights are not compared."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ptbr import memory
+    from ptbr.backends.torch import loss as chunked
+    from ptbr.cli import main
+
+    calls = []
+    real = chunked.chunked_cross_entropy
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    vocab = json.loads((toy.base / "config.json").read_text())["vocab_size"]
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * vocab * 20)
+    monkeypatch.setattr(chunked, "chunked_cross_entropy", counted)
+    for name, flags in (("chunked", []), ("whole", ["--no-chunked-loss"])):
+        assert main(["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(tmp_path / name),
+                     "--quant", quant, "--precision", precision, "--lora-r", "8", "--batch-size", "4",
+                     "--grad-accum", "2", "--max-steps", "3", "--eval-every", "3", "--lora-dropout", "0.1",
+                     "--learning-rate", lr, *flags]) == 0
+        # 3 steps of 2 micro-batches, and the 8 validation examples in 2 batches
+        assert len(calls) == 3 * 2 + 2 and min(calls) > 20, calls
+    log = (tmp_path / "chunked" / "train.log").read_text()
+    assert f"chunked loss: 20 tokens per chunk at vocabulary {vocab:,}; micro-batches of " in log
+    assert log.count("chunked loss:") == 1 and "chunked loss:" not in (tmp_path / "whole" / "train.log").read_text()
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("chunked", "whole")}
+    for a, b in zip(rows["chunked"], rows["whole"], strict=True):
+        assert a["step"] == b["step"]
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert (a.get(key) is None) == (b.get(key) is None)
+            if a.get(key) is not None:
+                assert a[key] == pytest.approx(b[key], rel=tolerance if key != "grad_norm" else 10 * tolerance), key
+    if weights:
+        a, b = (load_file(tmp_path / name / "adapters" / "adapter_model.safetensors") for name in ("chunked", "whole"))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=weights, msg=key)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["none", "4bit"])
 def test_resume_is_exact(toy, tmp_path, crash_then_resume, quant):

@@ -66,6 +66,10 @@ class Backend(Protocol):
     def write_adapter(self, adapted: Adapted, directory: Path) -> None:
         """The adapter's weights and config in the library's own format (PEFT or mlx-lm)."""
 
+    def describe_loss(self, step: TrainingStep, tokens: int) -> str | None:
+        """A start-up line on how the step computes its loss for micro-batches of up to `tokens`
+        tokens, or None when there is nothing to say."""
+
     def is_out_of_memory(self, exc: BaseException) -> bool: ...
 
     def release_memory(self) -> None: ...

@@ -208,6 +208,9 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     if settings.resume != given:  # a retry after an out-of-memory, from the checkpoint this run wrote
         resume = find_resume(run_dir, settings, loaded.identity, world)
     step = backend.finetune_step(adapted, settings)
+    loss = backend.describe_loss(step, settings.batch_size * (max(len(e.ids) for e in train.examples) - 1))
+    if loss:
+        log(loss)
     # LoRA dropout draws from the library's global generator: seed it once, here at the start of
     # the run; every checkpoint saves its state and a resumed run restores it (start_state).
     backend.seed(settings.seed)

@@ -86,6 +86,12 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     step = backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id, settings)
     n_params = backend.parameter_count(step)
     log(f"model {preset.name}: {n_params:,} parameters, vocab {dataset.vocab_size}, seq_len {settings.seq_len}")
+    loss = backend.describe_loss(step, settings.batch_size * settings.seq_len)
+    if loss:
+        log(loss)
+    if settings.compile:
+        log("--compile: the first step compiles the forward pass and the loss with torch.compile (tens of "
+            "seconds on a CPU; a later run of the same shapes reuses the compiled code)")
     state = start_state(step, resume)
 
     write_run_config(run_dir, "train", settings, backend, resume, {

@@ -109,6 +109,10 @@ class MlxBackend:
 
         write_adapter(adapted, directory)
 
+    def describe_loss(self, step: MlxStep, tokens: int) -> str | None:
+        """MLX computes its own loss over the whole logits: --chunked-loss is the torch backend's."""
+        return None
+
     # ---- memory -----------------------------------------------------------------------------
 
     def is_out_of_memory(self, exc: BaseException) -> bool:

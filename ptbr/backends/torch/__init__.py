@@ -12,7 +12,6 @@ from ptbr.backends.torch.distributed import world_from_env
 from ptbr.backends.torch.step import TorchStep, build_optimizer
 from ptbr.backends.world import SingleProcess
 from ptbr.errors import ConfigError
-from ptbr.log import log
 from ptbr.versions import package_versions
 
 # What an out-of-memory looks like where torch does not raise torch.OutOfMemoryError (CPU, MPS).
@@ -82,22 +81,12 @@ class TorchBackend:
             # non-reentrant: the recomputation that DDP's gradient hooks and PEFT support
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
-        if settings.loss_is_chunked:
-            from ptbr.memory import chunk_tokens, chunks_the_loss
-
-            tokens, chunk = settings.batch_size * settings.seq_len, chunk_tokens(vocab_size)
-            log(f"chunked loss: {chunk} tokens per chunk at vocabulary {vocab_size:,}; micro-batches of {tokens} "
-                + ("tokens are chunked" if chunks_the_loss(tokens, vocab_size)
-                   else "tokens are not (their logits fit one chunk)"))
         if settings.fsdp and self.world.size > 1:
             shard(model)
             optimizer = build_optimizer(model, settings, self.placement.device, fused=False)
             return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, sharded=True,
                              chunked_loss=settings.loss_is_chunked)
         optimizer = build_optimizer(model, settings, self.placement.device)
-        if settings.compile:
-            log("--compile: the first step compiles the forward pass and the loss with torch.compile (tens of "
-                "seconds on a CPU; a later run of the same shapes reuses the compiled code)")
         return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model),
                          compile=settings.compile, chunked_loss=settings.loss_is_chunked)
 
@@ -124,7 +113,26 @@ class TorchBackend:
                               "and trains the small adapter data-parallel", "--fsdp", "leave --fsdp out")
         model = adapted.model
         return TorchStep(model, build_optimizer(model, settings, self.placement.device), self.placement,
-                         settings.max_grad_norm, self.world, self.parallel(model), chunked_loss=False)
+                         settings.max_grad_norm, self.world, self.parallel(model),
+                         chunked_loss=settings.loss_is_chunked)
+
+    # ---- the loss ---------------------------------------------------------------------------
+
+    def describe_loss(self, step: TorchStep, tokens: int) -> str | None:
+        """The start-up line on --chunked-loss (ptbr/backends/torch/loss.py): the chunk size, and
+        whether the run's largest micro-batch (`tokens` tokens) is chunked. None when the run
+        asked for the whole logits."""
+        if not step.chunked_loss:
+            return None
+        if step.head is None:
+            return ("chunked loss: not with this model's output layer (only a plain Linear without a bias or "
+                    "offloading is chunked): the whole logits")
+        from ptbr.memory import chunk_tokens, chunks_the_loss
+
+        vocab = step.head.out_features
+        line = f"chunked loss: {chunk_tokens(vocab)} tokens per chunk at vocabulary {vocab:,}; micro-batches of {tokens} "
+        return line + ("tokens are chunked" if chunks_the_loss(tokens, vocab)
+                       else "tokens are not (their logits fit one chunk)")
 
     def write_adapter(self, adapted, directory: Path) -> None:
         """PEFT's adapter_model.safetensors and adapter_config.json."""

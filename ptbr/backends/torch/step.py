@@ -46,8 +46,9 @@ class TorchStep:
         self.exported: dict | None = None  # FSDP: the whole weights of the last checkpoint (main rank)
         # --chunked-loss: the logits a chunk of tokens at a time (ptbr/backends/torch/loss.py) where
         # the whole would be larger than one chunk; None: the whole logits, through the output layer
+        self.chunked_loss = chunked_loss and not compile
         self.head = None
-        if chunked_loss and not compile:
+        if self.chunked_loss:
             from ptbr.backends.torch.loss import chunkable_head
 
             self.head = chunkable_head(model)

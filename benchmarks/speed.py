@@ -13,9 +13,11 @@ Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead
             time from the command to its first completed step.
   vocab32k  the same at a 32k vocabulary (random tokens; tiny, batch 8 x 256), where ptbr's chunked
             loss applies: tokens/s and peak memory against the Trainer, the plain loop and ptbr's
-            own --no-chunked-loss.
+            own --no-chunked-loss; and ptbr --compile against --compile --no-chunked-loss.
   finetune  LoRA and QLoRA tokens/s and peak memory of `ptbr finetune` against transformers +
             PEFT's Trainer on the same random Mistral-shaped base and plain-text data.
+  finetune32k  QLoRA the same with Mistral-7B's 32k-entry output layer, where ptbr's chunked loss
+            applies: also against ptbr's own --no-chunked-loss.
   startup   `ptbr --help` against `transformers --help`.
   data      MB/s of text to tokens: ptbr prepare (with an existing tokenizer) against the same
             documents through `tokenizers` directly.
@@ -250,23 +252,37 @@ def large_vocab_section(args, work: Path) -> list[dict]:
             "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / "vocab32k-runs"),
             "data": str(data)}
     print(f"pretraining {size} at a 32k vocabulary: batch {batch_size} x seq_len {seq_len}, {precision}", flush=True)
-    runs = interleaved({"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
-                        "plain_loop": ("plain-pretrain", spec),
-                        "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds)
-    step, memory = steps_and_peaks(runs)
+    contenders = {"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
+                  "plain_loop": ("plain-pretrain", spec),
+                  "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}
+    if not args.no_compile:  # --compile: the decoder compiled, the chunked loss eager
+        contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"])),
+                       "ptbr_compile_whole": ("ptbr-pretrain", dict(spec, flags=["--compile", "--no-chunked-loss"]))}
+    runs = interleaved(contenders, args.rounds)
     tokens = batch_size * seq_len
     command = (f"ptbr train --data DATA --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
                f"--device {args.device} --precision {precision}")
     name = f"pretrain {size}, 32k vocabulary (batch {batch_size} x {seq_len}, {precision})"
-    what = "peak GPU memory" if args.device == "cuda" else "peak resident memory"
+    rows = speed_and_memory_rows("pretrain", name, command, args.device, runs, tokens, "ptbr", (
+        ("hf_trainer", "HF Trainer"), ("plain_loop", "plain PyTorch loop"), ("ptbr_whole", "ptbr --no-chunked-loss")))
+    if "ptbr_compile" in runs:
+        rows += speed_and_memory_rows("pretrain", f"{name}, --compile", f"{command} --compile", args.device, runs,
+                                      tokens, "ptbr_compile", (("ptbr_compile_whole", "ptbr --compile --no-chunked-loss"),))
+    return rows
+
+
+def speed_and_memory_rows(section: str, name: str, command: str, device: str, runs: dict, tokens: float, ours: str,
+                          references: tuple) -> list[dict]:
+    """Tokens/s and peak memory of the contender `ours` against each (reference, label)."""
+    step, memory = steps_and_peaks(runs)
+    what = "peak GPU memory" if device == "cuda" else "peak resident memory"
     rows = []
-    for reference, label in (("hf_trainer", "HF Trainer"), ("plain_loop", "plain PyTorch loop"),
-                             ("ptbr_whole", "ptbr --no-chunked-loss")):
-        rows.append(row("pretrain", name, "tokens/s", "tokens/s", label, tokens / statistics.median(step[reference]),
-                        tokens / statistics.median(step["ptbr"]), paired_ratio(step["ptbr"], step[reference]),
-                        command, runs={k: runs[k] for k in ("ptbr", reference)}))
-        rows.append(row("pretrain", name, what, "MB", label, statistics.median(memory[reference]) / 1e6,
-                        statistics.median(memory["ptbr"]) / 1e6, paired_ratio(memory["ptbr"], memory[reference]),
+    for reference, label in references:
+        rows.append(row(section, name, "tokens/s", "tokens/s", label, tokens / statistics.median(step[reference]),
+                        tokens / statistics.median(step[ours]), paired_ratio(step[ours], step[reference]),
+                        command, runs={k: runs[k] for k in (ours, reference)}))
+        rows.append(row(section, name, what, "MB", label, statistics.median(memory[reference]) / 1e6,
+                        statistics.median(memory[ours]) / 1e6, paired_ratio(memory[ours], memory[reference]),
                         command))
     return rows
 
@@ -285,15 +301,17 @@ def matmul_floor_row(spec: dict, trainer_over_plain: float) -> dict:
             "matmul_ceiling": trainer_over_plain / share}
 
 
-def make_finetune_base(directory: Path, quick: bool) -> None:
-    """A random Mistral-shaped base (grouped-query attention, SwiGLU) with the bundled tokenizer."""
+def make_finetune_base(directory: Path, quick: bool, vocab: int | None = None) -> None:
+    """A random Mistral-shaped base (grouped-query attention, SwiGLU) with the bundled tokenizer;
+    `vocab`: an output layer that wide (Mistral-7B's 32,000), of which the tokenizer uses the first
+    2,048 entries (speed and memory depend on the shapes only)."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
     from ptbr.data import SAMPLE_DIR
     from ptbr.data.tokenizer import load_tokenizer, save_for_transformers
 
-    vocab = load_tokenizer(SAMPLE_DIR / "tokenizer.json").get_vocab_size()
+    vocab = vocab or load_tokenizer(SAMPLE_DIR / "tokenizer.json").get_vocab_size()
     hidden, layers = (64, 2) if quick else (256, 4)
     config = MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(3.5 * hidden),
                            num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=2,
@@ -346,6 +364,30 @@ def finetune_section(args, work: Path) -> list[dict]:
     return rows
 
 
+def large_vocab_finetune_section(args, work: Path) -> list[dict]:
+    """QLoRA at Mistral-7B's 32k vocabulary, where a micro-batch's logits exceed one chunk and
+    ptbr's chunked loss applies: tokens/s and peak memory against transformers + PEFT's Trainer
+    (the whole fp32 logits) and against ptbr's own --no-chunked-loss (the lever alone)."""
+    base, data = work / "base32k", work / "train32k.jsonl"
+    base.mkdir(parents=True, exist_ok=True)
+    make_finetune_base(base, args.quick, vocab=32000)
+    batch_size, words, max_seq_len = (2, 120, 256) if args.quick else (4, 120, 512)
+    mean_tokens = make_finetune_data(data, batch_size * (args.warmup + args.steps + 1), words)
+    precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    spec = {"base": str(base), "data": str(data), "quant": "4bit", "rank": 16, "batch_size": batch_size,
+            "max_seq_len": max_seq_len, "device": args.device, "precision": precision, "warmup": args.warmup,
+            "steps": args.steps, "output": str(work / "finetune32k")}
+    print(f"fine-tuning, QLoRA 4-bit at a 32k vocabulary: batch {batch_size}, ~{mean_tokens:.0f} tokens per example",
+          flush=True)
+    runs = interleaved({"ptbr": ("ptbr-finetune", spec), "hf_peft": ("hf-finetune", spec),
+                        "ptbr_whole": ("ptbr-finetune", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds)
+    command = (f"ptbr finetune --base BASE --data train.jsonl --quant 4bit --lora-r 16 --batch-size {batch_size} "
+               f"--device {args.device} --precision {precision}")
+    name = f"QLoRA 4-bit fine-tuning, 32k vocabulary (Mistral-shaped, batch {batch_size}, {precision})"
+    return speed_and_memory_rows("finetune", name, command, args.device, runs, batch_size * mean_tokens, "ptbr", (
+        ("hf_peft", "transformers + PEFT Trainer"), ("ptbr_whole", "ptbr --no-chunked-loss")))
+
+
 def timed_command(command: list[str]) -> float:
     started = time.perf_counter()
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -387,7 +429,7 @@ def data_section(args, work: Path) -> list[dict]:
 
 
 SECTIONS = {"pretrain": pretrain_section, "vocab32k": large_vocab_section, "finetune": finetune_section,
-            "startup": startup_section, "data": data_section}
+            "finetune32k": large_vocab_finetune_section, "startup": startup_section, "data": data_section}
 
 
 # ---- the table --------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ class LoopSettings:
     chunked_loss: bool = setting(
         True, "Where a micro-batch's fp32 logits over the vocabulary would exceed 32 MiB, compute the cross-entropy "
         "and its gradient 32 MiB of logits at a time, so that the whole logits never exist: the same loss with less "
-        "memory (torch backend; `train --compile` uses the whole logits).")
+        "memory (torch backend).")
     auto_fit: bool = setting(
         False, "Before training, run a real step on the longest batch and halve batch_size (doubling grad_accum) "
         "until it fits; an out-of-memory later resumes from the last checkpoint the same way.")
@@ -164,11 +164,6 @@ class LoopSettings:
         collect(self.problems(), ConfigError, "settings", SETTINGS_FIX)
 
     optional_paths: ClassVar[tuple[str, ...]] = ()  # path settings that may be left out, never given as ""
-
-    @property
-    def loss_is_chunked(self) -> bool:
-        """--chunked-loss takes effect (ptbr/backends/torch/loss.py; the MLX backend has its own loss)."""
-        return self.chunked_loss
 
     def default_learning_rate(self) -> float:
         return 2e-4
@@ -239,11 +234,6 @@ class PretrainConfig(LoopSettings):
 
     def default_learning_rate(self) -> float:
         return PRESETS[self.model_size].learning_rate if self.model_size in PRESETS else 3e-4
-
-    @property
-    def loss_is_chunked(self) -> bool:
-        """--chunked-loss takes effect (a compiled step computes the whole logits)."""
-        return super().loss_is_chunked and not self.compile
 
     def problems(self) -> list[str]:
         found = super().problems()

@@ -12,7 +12,7 @@ What lives on the device during a step of a Llama-style decoder, in bytes:
   cached until the forward pass ends and, without gradient checkpointing, held by the backward pass.
 - logits: the loss upcasts the (B, T, vocab) logits to fp32; at the start of the backward pass the
   log-softmax output, its gradient and the logits' gradient are alive together (3 x 4 B).
-  The chunked loss (--chunked-loss, the default without --compile) holds instead the final hidden
+  The chunked loss (--chunked-loss, the default) holds instead the final hidden
   states, their gradient, the output layer's gradient (pretraining: fine-tuning's is frozen) and one
   chunk's logits (32 MiB in fp32): in that field, and in the moment where the loss's forward peaks.
 
@@ -470,12 +470,12 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
     if not hasattr(settings, "lora_r"):
         shards = processes if settings.fsdp else 1
         return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards,
-                                        chunked_loss=settings.loss_is_chunked, grad_accum=grad_accum)
+                                        chunked_loss=settings.chunked_loss, grad_accum=grad_accum)
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
                                 targets=lora_targets(settings.target_modules), device=target,
                                 dropout_impl=settings.lora_dropout_impl, grad_accum=grad_accum,
-                                chunked_loss=settings.loss_is_chunked)
+                                chunked_loss=settings.chunked_loss)
 
 
 # --------------------------------------------------------------------------------------------

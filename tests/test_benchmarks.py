@@ -46,14 +46,27 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
         ("data", "MB/s", "tokenizers directly"),
     } <= found
     assert any(row["name"] == "`ptbr --help` start-up" for row in result["rows"] if row["section"] != "mlx")
-    assert len([r for r in result["rows"] if r["section"] == "finetune"]) == 4  # LoRA and QLoRA, speed and memory
+    finetune = [r for r in result["rows"] if r["section"] == "finetune" and "32k vocabulary" not in r["name"]]
+    assert len(finetune) == 4  # LoRA and QLoRA, speed and memory
+    # QLoRA at Mistral-7B's 32k vocabulary, where the chunked loss applies: against PEFT and ptbr's own whole logits
+    large = [r for r in result["rows"] if r["section"] == "finetune" and "32k vocabulary" in r["name"]]
+    assert {(row["metric"], row["reference"]) for row in large} == {
+        (metric, reference) for metric in ("tokens/s", "peak resident memory")
+        for reference in ("transformers + PEFT Trainer", "ptbr --no-chunked-loss")} and len(large) == 4
+    assert all(row["command"].startswith("ptbr finetune --base BASE ") for row in large)
     for row in result["rows"]:
         for key in ("reference_value", "ptbr_value", "ratio"):
             assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (row["name"], key)
         assert row["command"].startswith(("ptbr ", "python benchmarks/"))
     pretrain = [row for row in result["rows"] if row["section"] == "pretrain" and "32k vocabulary" not in row["name"]]
+    large = [row for row in result["rows"] if row["section"] == "pretrain" and "32k vocabulary" in row["name"]
+             and "--compile" not in row["name"]]
+    # and under --compile (the decoder compiled, the chunked loss eager) against --compile's whole logits
+    large_compiled = [row for row in result["rows"] if "32k vocabulary" in row["name"] and "--compile" in row["name"]]
+    assert [(row["metric"], row["reference"]) for row in large_compiled] == [
+        ("tokens/s", "ptbr --compile --no-chunked-loss"), ("peak resident memory", "ptbr --compile --no-chunked-loss")]
+    assert all(row["command"].endswith(" --compile") for row in large_compiled)
     # at a 32k vocabulary, where the chunked loss applies: speed and memory against three references
-    large = [row for row in result["rows"] if "32k vocabulary" in row["name"]]
     assert {(row["metric"], row["reference"]) for row in large} == {
         (metric, reference) for metric in ("tokens/s", "peak resident memory")
         for reference in ("HF Trainer", "plain PyTorch loop", "ptbr --no-chunked-loss")} and len(large) == 6

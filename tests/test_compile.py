@@ -61,6 +61,34 @@ def test_compiled_training_is_eager_training_and_resumes_bit_for_bit(tmp_path, c
 
 
 @pytest.mark.slow
+def test_compiled_chunked_loss_is_the_eager_one_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """--compile with the chunked loss (chunks of 40 tokens here: a micro-batch of 4 x 32 makes four):
+    the decoder is compiled (one graph, no break) and the loss runs eager on its hidden states;
+    the same training as the eager chunked loss to float rounding, and a resumed run is the
+    uninterrupted one bit for bit."""
+    from ptbr import memory
+
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 2048 * 40)
+    eager, once, twice = tmp_path / "eager", tmp_path / "once", tmp_path / "twice"
+    train(eager, "--precision", "fp32")
+    assert compiled_train(once) == {"graphs": 1, "breaks": {}}
+    line = "chunked loss: 40 tokens per chunk at vocabulary 2,048; micro-batches of 128 tokens are chunked"
+    assert line in (once / "train.log").read_text() and line in (eager / "train.log").read_text()
+    assert [r["loss"] for r in metrics(once)] == pytest.approx([r["loss"] for r in metrics(eager)], rel=1e-5)
+    validated = [[r["val_loss"] for r in metrics(run) if r["val_loss"] is not None] for run in (once, eager)]
+    assert len(validated[0]) == 2 and validated[0] == pytest.approx(validated[1], rel=1e-5)
+    assert_same_training(weights(once / "final"), weights(eager / "final"))
+
+    compiled_train(twice)
+    shutil.rmtree(twice / "checkpoints" / "step_000006")
+    shutil.rmtree(twice / "final")
+    compiled_train(twice)
+    a, b = weights(once / "final"), weights(twice / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert [r["loss"] for r in metrics(twice)] == [r["loss"] for r in metrics(once)]
+
+
+@pytest.mark.slow
 def test_compiled_accumulation_is_one_big_batch(tmp_path):
     compiled_train(tmp_path / "big", "--batch-size", "8", "--grad-accum", "1", "--max-steps", "3")
     # with gradient checkpointing too: still one graph, no break

@@ -408,10 +408,10 @@ def test_auto_fit_halves_until_a_step_fits():
         auto_fit(backend, lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
 
 
-@pytest.mark.parametrize("compile, chunked", [(False, True), (True, False)])
+@pytest.mark.parametrize("compile, chunked", [(False, True), (True, True), (True, False), (False, False)])
 def test_auto_fit_probes_run_eager_with_the_run_s_own_loss(monkeypatch, compile, chunked):
-    """A --compile run computes the whole logits: its eager probes must too, or they would measure
-    the chunked loss's smaller peak and pick a micro-batch the run cannot hold."""
+    """--auto-fit's probes run eager (one compile per probed size would cost tens of seconds each)
+    with the run's own loss, compiled or not: the chunked loss's peak, or the whole logits'."""
     from types import SimpleNamespace
 
     from ptbr.runs import pretrain
@@ -430,7 +430,7 @@ def test_auto_fit_probes_run_eager_with_the_run_s_own_loss(monkeypatch, compile,
 
     monkeypatch.setattr(pretrain, "auto_fit", one_probe)
     dataset = SimpleNamespace(meta=None, vocab_size=300, eos_id=0)
-    pretrain._auto_fit(PretrainConfig(compile=compile), Backend(), dataset, PRESETS["tiny"])
+    pretrain._auto_fit(PretrainConfig(compile=compile, chunked_loss=chunked), Backend(), dataset, PRESETS["tiny"])
     assert not probes[0].compile and probes[0].chunked_loss == chunked
 
 

@@ -52,7 +52,7 @@ def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: i
     model = build_model(preset, vocab_size, eos_id=0, seed=0).to(placement.device)
     settings = PretrainConfig()
     backend = TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0,
-                        chunked_loss=settings.loss_is_chunked)
+                        chunked_loss=settings.chunked_loss)
     windows = np.random.default_rng(0).integers(0, vocab_size, size=(batch_size, seq_len + 1))
     build_s = time.monotonic() - started
     started = time.monotonic()

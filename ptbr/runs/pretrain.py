@@ -135,10 +135,9 @@ def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) 
 
     def make_step(batch_size: int):
         # probes run eager: one compile per probed size would cost tens of seconds each, and the
-        # compiled step keeps no more activations than the eager one; with the run's own loss (a
-        # compiled run computes the whole logits, so its probes do too)
+        # compiled step keeps no more activations than the eager one
         pad_id = dataset.meta.get("pad_id") if dataset.meta else None
-        probe = dataclasses.replace(settings, batch_size=batch_size, compile=False, chunked_loss=settings.loss_is_chunked)
+        probe = dataclasses.replace(settings, batch_size=batch_size, compile=False)
         return backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id, probe)
 
     def longest_batch(batch_size: int) -> dict:

@@ -85,10 +85,10 @@ class TorchBackend:
             shard(model)
             optimizer = build_optimizer(model, settings, self.placement.device, fused=False)
             return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, sharded=True,
-                             chunked_loss=settings.loss_is_chunked)
+                             chunked_loss=settings.chunked_loss)
         optimizer = build_optimizer(model, settings, self.placement.device)
         return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model),
-                         compile=settings.compile, chunked_loss=settings.loss_is_chunked)
+                         compile=settings.compile, chunked_loss=settings.chunked_loss)
 
     def parameter_count(self, step: TorchStep) -> int:
         from ptbr.backends.torch.models import count_parameters
@@ -114,7 +114,7 @@ class TorchBackend:
         model = adapted.model
         return TorchStep(model, build_optimizer(model, settings, self.placement.device), self.placement,
                          settings.max_grad_norm, self.world, self.parallel(model),
-                         chunked_loss=settings.loss_is_chunked)
+                         chunked_loss=settings.chunked_loss)
 
     # ---- the loss ---------------------------------------------------------------------------
 

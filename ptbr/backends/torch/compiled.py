@@ -5,7 +5,9 @@ before the run starts, not a compiler traceback at the first step.
 Inductor turns the model's small kernels (RMSNorm, rotary embeddings, SiLU x up, the residual adds,
 log-softmax and its backward) into a few fused ones and leaves the matrix multiplies and attention
 to torch's own kernels; on a CPU it writes C++ (built with the machine's C++ compiler), on a GPU
-Triton kernels (Volta or newer; the launcher is built with the C compiler). The compiled code is cached
+Triton kernels (Volta or newer; the launcher is built with the C compiler). With the chunked loss
+(ptbr/backends/torch/loss.py) only the decoder, up to its final hidden states, is compiled, and the
+loss runs eager on them. The compiled code is cached
 (TORCHINDUCTOR_CACHE_DIR, by default under the system's temporary directory), so that a later
 run of the same shapes starts within seconds.
 """

@@ -1,5 +1,5 @@
 """The training loss of the torch backend, with the vocabulary's logits made a chunk of tokens at a
-time (--chunked-loss, the default without --compile).
+time (--chunked-loss, the default; under --compile the decoder is compiled and this loss runs eager).
 
 The plain way computes the (tokens x vocab) logits whole, upcasts them to fp32 and hands them to
 F.cross_entropy; at a 32k vocabulary that is 128 KiB per token, and three such fp32 tensors are

@@ -46,19 +46,22 @@ class TorchStep:
         self.exported: dict | None = None  # FSDP: the whole weights of the last checkpoint (main rank)
         # --chunked-loss: the logits a chunk of tokens at a time (ptbr/backends/torch/loss.py) where
         # the whole would be larger than one chunk; None: the whole logits, through the output layer
-        self.chunked_loss = chunked_loss and not compile
+        self.chunked_loss = chunked_loss
         self.head = None
-        if self.chunked_loss:
+        if chunked_loss:
             from ptbr.backends.torch.loss import chunkable_head
 
             self.head = chunkable_head(model)
-        # --compile: training steps run the forward pass and loss compiled; evaluation stays eager
-        # (no_grad would be a second compile, for a few batches)
+        # --compile: training steps run the forward pass (and the whole logits' loss) compiled;
+        # evaluation stays eager (no_grad would be a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext
         if compile:
             from ptbr.backends.torch.compiled import compile_loss, deterministic_kernels
 
-            self._train_loss, self._kernels = compile_loss(self._loss_sum), deterministic_kernels
+            self._kernels = deterministic_kernels
+            self._compiled_whole = compile_loss(self._whole_loss_sum)
+            self._compiled_hidden = compile_loss(self._decoder_hidden_states) if self.head is not None else None
+            self._train_loss = self._compiled_loss_sum
 
     def _to_device(self, batch: Batch) -> dict:
         """On a GPU the copy is queued from pinned memory, so that it runs while the GPU computes."""
@@ -69,22 +72,45 @@ class TorchStep:
         return {k: (t.pin_memory() if pin else t).to(self.placement.device, non_blocking=True)
                 for k, t in tensors.items()}
 
+    def _chunks(self, batch: dict) -> bool:
+        return self.head is not None and chunks_the_loss(batch["labels"].numel(), self.head.out_features)
+
     def _loss_sum(self, module, batch: dict):
-        """Summed cross-entropy over the target tokens of one micro-batch."""
+        """Summed cross-entropy over the target tokens of one micro-batch (eager)."""
+        if not self._chunks(batch):
+            return self._whole_loss_sum(module, batch)
+        from ptbr.backends.torch.loss import hidden_states_of
+
+        with hidden_states_of(self.head) as seen, self.placement.autocast():
+            module(**_inputs(batch))
+        return self._chunked_loss_sum(seen["hidden"], seen["weight"], batch)
+
+    def _whole_loss_sum(self, module, batch: dict):
         import torch.nn.functional as F
 
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        if self.head is not None and chunks_the_loss(batch["labels"].numel(), self.head.out_features):
-            from ptbr.backends.torch.loss import chunked_cross_entropy, hidden_states_of
-
-            with hidden_states_of(self.head) as seen, self.placement.autocast():
-                module(**inputs)
-            return chunked_cross_entropy(seen["hidden"].flatten(0, 1), seen["weight"], batch["labels"].flatten(),
-                                         self.placement.autocast_dtype)
         with self.placement.autocast():
-            logits = module(**inputs).logits  # (B, T, vocab)
+            logits = module(**_inputs(batch)).logits  # (B, T, vocab)
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def _chunked_loss_sum(self, hidden, weight, batch: dict):
+        from ptbr.backends.torch.loss import chunked_cross_entropy
+
+        return chunked_cross_entropy(hidden.flatten(0, 1), weight, batch["labels"].flatten(),
+                                     self.placement.autocast_dtype)
+
+    def _decoder_hidden_states(self, module, batch: dict):
+        """The final hidden states, from the model's decoder alone (what --compile compiles for the
+        chunked loss: one process, so `module` is the model itself, not a DDP or FSDP wrapper)."""
+        with self.placement.autocast():
+            return module.get_decoder()(**_inputs(batch)).last_hidden_state
+
+    def _compiled_loss_sum(self, module, batch: dict):
+        """--compile: the decoder compiled and the chunked loss eager, or the forward pass and the
+        whole logits' loss compiled together."""
+        if self._chunks(batch):
+            return self._chunked_loss_sum(self._compiled_hidden(module, batch), self.head.weight, batch)
+        return self._compiled_whole(module, batch)
 
     def _sync_gradients(self, sync: bool):
         """DDP and FSDP reduce gradients across ranks on the last micro-batch of a step only."""
@@ -232,6 +258,11 @@ class TorchStep:
         from ptbr.backends.torch.device import memory_in_use
 
         return memory_in_use(self.placement.device)
+
+
+def _inputs(batch: dict) -> dict:
+    """The model's inputs of a batch on the device: everything but the labels."""
+    return {k: v for k, v in batch.items() if k != "labels"}
 
 
 def whole_weights(model, options) -> dict:

@@ -32,9 +32,20 @@ TINY = ["--model-size", "tiny", "--seq-len", "32", "--eval-every", "0", "--eval-
         "--learning-rate", "1e-4", "--precision", "fp32"]  # equal to 1e-5: an fp32 claim (bf16 rounds per shape)
 
 
-def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                           "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+
+
+def chunks_of(tmp_path: Path, tokens: int, vocab: int) -> dict:
+    """An environment in which every process's chunked loss takes chunks of `tokens` tokens (a
+    sitecustomize module sets the chunk size at start-up)."""
+    import os
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(f"import ptbr.memory\nptbr.memory.CHUNK_BYTES = 4 * {vocab} * {tokens}\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
 
 
 def ptbr(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -72,15 +83,21 @@ def test_two_processes_train_the_model_one_process_trains_with_twice_the_batch(t
     assert "data parallel over 2 processes: batch 2 x grad_accum 2 x 2 processes = 8 per step" in two.stderr
 
 
-def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path, chunked):
     """40 examples, 2 x batch 3 against 1 x batch 6: the epoch's last global micro-batch has 4
-    examples (3 on rank 0, 1 on rank 1); dropout 0 so that both runs draw nothing at random."""
+    examples (3 on rank 0, 1 on rank 1); dropout 0 so that both runs draw nothing at random.
+    chunked: the two ranks' loss in chunks of 10 tokens (the frozen output layer's input taken
+    inside DDP's forward pass), against one process with the whole logits."""
     common = ["--base", str(toy.base), "--data", str(toy.data), "--quant", "none", "--lora-r", "8",
               "--lora-dropout", "0", "--max-steps", "7", "--eval-every", "7", "--learning-rate", "1e-3",
               "--device", "cpu"]
-    two = torchrun("finetune", "--output", str(tmp_path / "two"), "--batch-size", "3", *common)
+    vocab = json.loads((toy.base / "config.json").read_text())["vocab_size"]
+    two = torchrun("finetune", "--output", str(tmp_path / "two"), "--batch-size", "3", *common,
+                   env=chunks_of(tmp_path, 10, vocab) if chunked else None)
     assert two.returncode == 0, two.stderr[-3000:]
-    one = ptbr("finetune", "--output", str(tmp_path / "one"), "--batch-size", "6", *common)
+    assert ("chunked loss: 10 tokens per chunk" in two.stderr) == chunked
+    one = ptbr("finetune", "--output", str(tmp_path / "one"), "--batch-size", "6", *common, "--no-chunked-loss")
     assert one.returncode == 0, one.stderr
     assert max_difference(tmp_path / "two" / "adapters" / "adapter_model.safetensors",
                           tmp_path / "one" / "adapters" / "adapter_model.safetensors") < 1e-5
@@ -130,12 +147,7 @@ def test_the_chunked_loss_under_ddp_and_fsdp_gives_the_same_model(tmp_path):
     pass (FSDP's gathered weight): 2 ranks with chunks of 10 tokens (a sitecustomize module sets
     the chunk size in every process) train the model that one process trains with the whole
     logits."""
-    import os
-
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text("import ptbr.memory\nptbr.memory.CHUNK_BYTES = 4 * 2048 * 10\n")
-    chunked = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
+    chunked = chunks_of(tmp_path, 10, 2048)
     common = [*TINY, "--max-steps", "3", "--save-every", "3"]
     whole = ptbr("train", "--output", str(tmp_path / "whole"), "--batch-size", "4", "--no-chunked-loss", *common)
     assert whole.returncode == 0, whole.stderr

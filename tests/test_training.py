@@ -286,3 +286,18 @@ def test_bad_token_in_training_data_names_file_and_offset(tmp_path, dataset_dir,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 3
     assert err.startswith("error: train.bin holds token id 401 >= vocab size 400")
+
+
+def test_a_run_closes_its_processes_world_only_when_it_ends_well(tmp_path, monkeypatch):
+    """The process group of a data-parallel run is destroyed at its end (else gloo's threads can
+    abort a rank as it exits); never after a failure, when other ranks may still be inside a
+    collective. Checked on the single-process world, which takes the same path."""
+    from ptbr.backends.world import SingleProcess
+
+    closed = []
+    monkeypatch.setattr(SingleProcess, "close", lambda self: closed.append(self))
+    train(tmp_path / "run", "--max-steps", "2")
+    assert len(closed) == 1
+    assert main(["train", "--output", str(tmp_path / "other"), "--model-size", "tiny", "--seq-len", "32",
+                 "--resume", str(tmp_path / "missing"), "--device", "cpu"]) != 0
+    assert len(closed) == 1

@@ -33,6 +33,10 @@ class World(Protocol):
 
     def barrier(self) -> None: ...
 
+    def close(self) -> None:
+        """The run's collectives are over (called when a run ends well): torch's process group is
+        destroyed, or its backend's threads can abort the process as it exits."""
+
 
 class SingleProcess:
     """A run of one process: every question answers itself."""
@@ -50,6 +54,9 @@ class SingleProcess:
         return decision()
 
     def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def describe(self) -> str:

@@ -78,7 +78,8 @@ def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
             # outside the watchdog: loading and merging a 7B base on the CPU takes minutes
             # without a step to report
             result.summary = backend.world.decide(lambda: _merge(settings, run_dir, result.summary))
-        return result
+    backend.world.close()  # only after a run that ended well (see ptbr/runs/pretrain.py)
+    return result
 
 
 def _merge(settings: FinetuneConfig, run_dir: Path, summary: dict) -> dict:

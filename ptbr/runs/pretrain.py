@@ -51,9 +51,14 @@ def run_pretrain(settings: PretrainConfig) -> dict:
             Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
                      backend.world.rank, backend.world.size) as watchdog:
         if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
-            return resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog), settings, run_dir)
-        with out_of_memory_is_an_error(backend):
-            return _run(settings, backend, run_dir, watchdog)
+            summary = resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog), settings, run_dir)
+        else:
+            with out_of_memory_is_an_error(backend):
+                summary = _run(settings, backend, run_dir, watchdog)
+    # only after a run that ended well: a rank that failed may leave the others inside a collective,
+    # which destroying the process group would wait on
+    backend.world.close()
+    return summary
 
 
 def identity(settings: PretrainConfig, dataset: TokenDataset, backend) -> dict:

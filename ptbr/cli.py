@@ -255,7 +255,25 @@ def main(argv: list[str] | None = None) -> int:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's own errors (an unknown flag, a value of the wrong type, a choice not offered) in
-    ptbr's one-line form, exit 2, like every other bad setting."""
+    ptbr's one-line form, exit 2, like every other bad setting. A flag is spelled out whole:
+    argparse would take `--chunked` for `--chunked-loss` or `--save` for `--save-every`, and a
+    command that works by an abbreviation today breaks silently when a later flag shares it."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but a flag the command does not know is named with the command (argparse
+        reports it from `ptbr` itself, whose --help does not list the command's flags)."""
+        from ptbr.errors import ConfigError
+
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            where = " ".join(filter(None, [self.prog, getattr(parsed, "command", None),
+                                           getattr(parsed, "kaggle_action", None)]))
+            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}", where, f"see `{where} --help`")
+        return parsed
 
     def error(self, message: str):
         from ptbr.errors import ConfigError

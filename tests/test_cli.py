@@ -48,6 +48,19 @@ def test_errors_are_one_line_with_an_exit_code(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize(("argv", "unknown", "where"), [
+    (["train", "--chunked"], "--chunked", "ptbr train"),  # argparse would take it for --chunked-loss
+    (["finetune", "--save", "5"], "--save 5", "ptbr finetune"),  # and this for --save-every
+    (["kaggle", "bundle", "--output", "b", "--owner", "o", "--slug", "s", "--resume"], "--resume",
+     "ptbr kaggle bundle"),  # --resume-from-previous
+    (["--bogus"], "--bogus", "ptbr"),
+])
+def test_flags_are_spelled_out_and_an_unknown_one_names_its_command(argv, unknown, where, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (f"error: unrecognized arguments: {unknown} ({where}); "
+                                               f"fix: see `{where} --help`")
+
+
 def test_debug_shows_the_traceback(tmp_path):
     run = run_cli("train", "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "out"),
                   env={"PTBR_DEBUG": "1"})

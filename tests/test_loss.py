@@ -134,35 +134,43 @@ def test_only_a_plain_output_layer_is_chunked(tmp_path):
     assert chunked.chunkable_head(adapted_head) is None
 
 
-def _steps(chunked_loss: bool, precision: str):
-    from ptbr.backends.torch.device import resolve_precision
+def _steps(chunked_loss: bool, precision: str, steps: int = 3, init_scale: float | None = None):
+    from ptbr.backends.torch.device import Placement, resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
     from ptbr.config import PRESETS, LoopSettings
     from ptbr.data.batch import windows_to_batch
 
     model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
-    placement = resolve_precision(torch.device("cpu"), precision)
+    # fp16 with GradScaler is a GPU's (ptbr refuses it on a CPU), but torch's CPU autocast and
+    # GradScaler compute it too: the same code path as a T4's, here
+    placement = (Placement(torch.device("cpu"), "fp16", "test") if precision == "fp16" else
+                 resolve_precision(torch.device("cpu"), precision))
     step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
                      chunked_loss=chunked_loss)
-    assert (step.head is not None) == chunked_loss
+    assert (step.head is not None) == chunked_loss and step.scaler.is_enabled() == (precision == "fp16")
+    if init_scale is not None:
+        step.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     windows = np.random.default_rng(0).integers(0, 300, size=(12, 33))
     batch = {k: v.copy() for k, v in windows_to_batch(windows).items()}  # labels are a view of the windows
     batch["labels"][1, :7] = IGNORE_INDEX
     micro = [{k: v[:8] for k, v in batch.items()}, {k: v[8:] for k, v in batch.items()}]
-    results = [step.train_step(micro, 1e-4) for _ in range(3)]
+    results = [step.train_step(micro, 1e-4) for _ in range(steps)]
     return results, {n: p.detach().clone() for n, p in model.named_parameters()}, step.eval_loss([batch])
 
 
 @pytest.mark.parametrize("precision, tolerance, norms, weights", [("fp32", 1e-6, 1e-5, 1e-5),
-                                                                  ("bf16", 1e-4, 1e-2, None)])
+                                                                  ("bf16", 1e-4, 1e-2, None),
+                                                                  ("fp16", 1e-4, 1e-3, None)])
 def test_training_steps_are_the_whole_logits_ones(monkeypatch, precision, tolerance, norms, weights):
     """Three AdamW steps (learning rate 1e-4: each moves a weight by up to 1e-4) of two uneven
     micro-batches, chunked and whole: the same losses, gradient norms and, in fp32, weights, within
     float noise (AdamW amplifies it in small gradients). In bf16 the gradients differ by bf16's
     rounding (1e-3 of the norm), which AdamW turns into whole updates of opposite sign where a
-    gradient is near zero: its weights are not compared. Chunks of 50 tokens: the micro-batches of
-    256 and 128 tokens make 6 and 3 chunks (and the whole path's are counted not to chunk)."""
+    gradient is near zero: its weights are not compared; nor in fp16, where the chunked loss
+    scales its gradients by GradScaler's factor after the 16-bit matmuls, the whole logits before.
+    Chunks of 50 tokens: the micro-batches of 256 and 128 tokens make 6 and 3 chunks (and the whole
+    path's are counted not to chunk)."""
     calls = []
     real = chunked.chunked_cross_entropy
 
@@ -184,3 +192,18 @@ def test_training_steps_are_the_whole_logits_ones(monkeypatch, precision, tolera
     assert chunked_eval == pytest.approx(whole_eval, rel=tolerance)
     for name in whole_weights if weights else ():
         torch.testing.assert_close(chunked_weights[name], whole_weights[name], rtol=0, atol=weights, msg=name)
+
+
+def test_gradscaler_skips_the_same_overflowing_steps_with_the_chunked_loss(monkeypatch):
+    """fp16 from a loss scale of 2**30: the gradients overflow fp16 and GradScaler skips the step
+    and halves its scale, nine times, then training goes on; the chunked loss computes its
+    gradients unscaled and multiplies them by the scale in fp32, so they must overflow in the
+    decoder's fp16 backward pass just as the whole logits' do: the same steps skipped (a gradient
+    norm that is not finite), the same scale after them, and the same losses."""
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 50)
+    runs = [_steps(chunked_loss, "fp16", steps=12, init_scale=2.0**30)[0] for chunked_loss in (True, False)]
+    for results in runs:
+        assert [np.isfinite(r.grad_norm) for r in results] == [False] * 9 + [True] * 3
+        assert not any(r.skipped for r in results)  # routine in fp16: not counted as a divergence
+    assert [r.loss for r in runs[0]] == pytest.approx([r.loss for r in runs[1]], rel=1e-4)
+    assert runs[0][0].loss == runs[0][9].loss != runs[0][10].loss  # nothing moved until the scale fit

@@ -209,7 +209,8 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     if settings.resume != given:  # a retry after an out-of-memory, from the checkpoint this run wrote
         resume = find_resume(run_dir, settings, loaded.identity, world)
     step = backend.finetune_step(adapted, settings)
-    loss = backend.describe_loss(step, settings.batch_size * (max(len(e.ids) for e in train.examples) - 1))
+    longest = max(len(e.ids) for e in train.examples) - 1  # tokens in a row of the worst micro-batch
+    loss = backend.describe_loss(step, settings.batch_size * longest)
     if loss:
         log(loss)
     # LoRA dropout draws from the library's global generator: seed it once, here at the start of
@@ -224,7 +225,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
         "steps_per_epoch": source.steps_per_epoch,
         "target_modules": adapted.target_modules,
         "trainable_parameters": adapted.trainable_parameters, "total_parameters": adapted.total_parameters,
-        "predicted_peak_bytes": _predicted_peak(settings, backend, adapted, train.examples),
+        "predicted_peak_bytes": _predicted_peak(settings, backend, adapted, longest),
     })
 
     adapters = run_dir / "adapters"
@@ -258,14 +259,14 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     return FinetuneResult(summary, adapted, tokenizer, source, eval_batches, settings)
 
 
-def _predicted_peak(settings: FinetuneConfig, backend, adapted, examples: list) -> int | None:
+def _predicted_peak(settings: FinetuneConfig, backend, adapted, longest: int) -> int | None:
     """The memory model's peak at the run's worst micro-batch (batch_size rows of the longest
-    example), or None for an architecture it does not know."""
+    example's `longest` tokens), or None for an architecture it does not know."""
     try:
         arch = Architecture.from_hf_config(adapted.config)
     except (KeyError, TypeError, ValueError):
         return None
-    return predicted_peak_bytes(settings, arch, backend, settings.batch_size, max(len(e.ids) for e in examples) - 1)
+    return predicted_peak_bytes(settings, arch, backend, settings.batch_size, longest)
 
 
 def _auto_fit(settings: FinetuneConfig, backend, adapted, examples: list, pad_id: int) -> FinetuneConfig:

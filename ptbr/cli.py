@@ -281,6 +281,21 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message, self.prog, f"see `{self.prog} --help`")
 
 
+def _report_native_crashes() -> None:
+    """A crash in native code (a segfault or an abort in torch, gloo, a CUDA driver, bitsandbytes)
+    ends the process before any Python handler runs, with one word from the shell. Python's
+    faulthandler prints every thread's Python stack to stderr first, so the line it happened
+    under is known (under a launcher, in that rank's log)."""
+    import faulthandler
+
+    if faulthandler.is_enabled():  # PYTHONFAULTHANDLER, -X faulthandler, pytest
+        return
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
+        pass
+
+
 def _run(argv: list[str] | None) -> int:
     from ptbr.errors import ConfigError
 
@@ -294,6 +309,7 @@ def _run(argv: list[str] | None) -> int:
         parser.print_help(sys.stderr)  # no command: a usage error, not output
         return 2
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what --num-processes hands its workers
+    _report_native_crashes()
     debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
     from ptbr.errors import PtbrError, error_line
     from ptbr.log import setup_console

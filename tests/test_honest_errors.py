@@ -127,6 +127,37 @@ def test_the_readme_s_what_ptbr_does_list_matches_the_code():
            f"{MAX_BAD_STEPS_IN_A_ROW} steps in a row |" in table
 
 
+ABORT_IN_INFO = """
+import os
+import ptbr.commands.info
+
+
+def abort_in_native_code(args):
+    os.abort()  # as a C++ library's std::terminate or a failed assertion does
+
+
+ptbr.commands.info.main = abort_in_native_code
+"""
+
+
+def test_a_native_crash_prints_every_thread_s_python_stack(tmp_path):
+    """A process killed by a signal from native code (here SIGABRT) runs no Python handler and leaves
+    one word from the shell; ptbr turns on faulthandler, which prints the Python stacks first."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(ABORT_IN_INFO)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    crashed = subprocess.run([sys.executable, "-m", "ptbr", "info", "--model-size", "tiny"], capture_output=True,
+                             text=True, timeout=120, cwd=REPO, env=env)
+    assert crashed.returncode == -6
+    assert "Fatal Python error: Aborted" in crashed.stderr
+    assert "in abort_in_native_code" in crashed.stderr and re.search(r"ptbr[/\\]cli\.py\", line \d+ in _run",
+                                                                   crashed.stderr)
+
+
 def test_out_of_memory_without_auto_fit_is_exit_5_not_a_crash(tmp_path, capsys, oom_above):
     oom_above(limit=2)
     code = main(["train", "--output", str(tmp_path / "run"), "--model-size", "tiny", "--seq-len", "32",

@@ -68,7 +68,7 @@ def test_two_processes_train_the_model_one_process_trains_with_twice_the_batch(t
     1 x batch 4 x grad_accum 2: the same windows, the same losses, the same weights."""
     common = [*TINY, "--grad-accum", "2", "--max-steps", "3", "--save-every", "3"]
     two = torchrun("train", "--output", str(tmp_path / "two"), "--batch-size", "2", *common)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-8000:]  # a native abort: every thread's Python stack (faulthandler)
     one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
     assert one.returncode == 0, one.stderr
     assert max_difference(tmp_path / "two" / "final" / "model.safetensors",
@@ -95,7 +95,7 @@ def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path, chunked):
     vocab = json.loads((toy.base / "config.json").read_text())["vocab_size"]
     two = torchrun("finetune", "--output", str(tmp_path / "two"), "--batch-size", "3", *common,
                    env=chunks_of(tmp_path, 10, vocab) if chunked else None)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-8000:]  # a native abort: every thread's Python stack (faulthandler)
     assert ("chunked loss: 10 tokens per chunk" in two.stderr) == chunked
     one = ptbr("finetune", "--output", str(tmp_path / "one"), "--batch-size", "6", *common, "--no-chunked-loss")
     assert one.returncode == 0, one.stderr
@@ -240,7 +240,7 @@ def test_accelerate_launch_is_a_launcher_too(tmp_path):
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "-m", "ptbr", "train", "--output", str(tmp_path / "two"), "--batch-size", "2", *common],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-8000:]  # a native abort: every thread's Python stack (faulthandler)
     assert json.loads((tmp_path / "two" / "run_config.json").read_text())["processes"] == 2
     one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
     assert one.returncode == 0, one.stderr

@@ -296,6 +296,24 @@ def _report_native_crashes() -> None:
         pass
 
 
+def _stop_on_sigterm():
+    """SIGTERM (`kill`, `timeout`, `docker stop`, Kaggle ending a session) stops a command as
+    Ctrl-C does: one line and exit 130, where its default would end the process silently with 143.
+    A training run replaces it with its graceful stop (a checkpoint first) once training starts."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    import signal
+
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def _run(argv: list[str] | None) -> int:
     from ptbr.errors import ConfigError
 
@@ -310,6 +328,17 @@ def _run(argv: list[str] | None) -> int:
         return 2
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what --num-processes hands its workers
     _report_native_crashes()
+    previous = _stop_on_sigterm()
+    try:
+        return _command(args)
+    finally:
+        if previous is not None:  # main() called from Python (tests, notebooks): theirs again
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _command(args) -> int:
     debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
     from ptbr.errors import PtbrError, error_line
     from ptbr.log import setup_console
@@ -323,13 +352,20 @@ def _run(argv: list[str] | None) -> int:
     except PtbrError as exc:
         if debug:
             traceback.print_exc()
+        if exc.fix:  # the settings' checks do not know which command they check
+            exc.fix = exc.fix.replace("`ptbr COMMAND --help`", f"`ptbr {args.command} --help`")
         print(exc.one_line(), file=sys.stderr, flush=True)
         return exc.exit_code
     except BrokenPipeError:
         raise  # our reader has gone: not a crash (main ends quietly)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from ptbr.errors import Interrupted, signal_of
+
+        print(Interrupted(f"stopped by {signal_of(exc)}", f"ptbr {args.command}",
+                          "run the same command again (a training run resumes from its last checkpoint)"
+                          if args.command in ("train", "finetune") else None).one_line(),
+              file=sys.stderr, flush=True)
+        return Interrupted.exit_code
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line + a crash report
         if debug:
             traceback.print_exc()

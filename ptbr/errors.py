@@ -128,12 +128,18 @@ class Interrupted(PtbrError):
     exit_code = 130
 
 
+def signal_of(interrupt: KeyboardInterrupt) -> str:
+    """The signal that stopped a command: Ctrl-C's KeyboardInterrupt carries nothing, the CLI's
+    SIGTERM handler raises one that carries its name."""
+    return interrupt.args[0] if interrupt.args else "SIGINT"
+
+
 def error_line(exc: BaseException, crash_report: str | None = None) -> str:
     """The one line the CLI prints for an exception (and a run writes to train.log)."""
     if isinstance(exc, PtbrError):
         return exc.one_line()
     if isinstance(exc, KeyboardInterrupt):
-        return "error: interrupted"
+        return f"error: stopped by {signal_of(exc)}"
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     where = f"details in {crash_report}" if crash_report else "rerun with --debug for the traceback"
     return (f"error: unexpected {type(exc).__name__}: {message} ({where}); "

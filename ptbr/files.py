@@ -54,8 +54,13 @@ def write_error(exc: BaseException, what: str, where: Path | str, fix: str | Non
                            f"{first_line(exc)}", str(where),
                            f"{fix or 'free space where the output goes'}; what was saved before is intact")
     if isinstance(exc, OSError):
-        return OutputError(f"cannot write {what}: {exc.strerror or exc}", str(where),
-                           "check the permissions and free space of the output directory")
+        fix = {errno.EEXIST: "a file stands where a directory goes: remove it, or choose another output path",
+               errno.ENOTDIR: "a file stands where a directory goes: remove it, or choose another output path",
+               errno.EACCES: "check the permissions of the output directory",
+               errno.EPERM: "check the permissions of the output directory",
+               errno.EROFS: "the file system is read-only: choose another output path"}.get(
+            exc.errno, "check the permissions and free space of the output directory")
+        return OutputError(f"cannot write {what}: {exc.strerror or exc}", str(where), fix)
     return None
 
 

@@ -154,8 +154,10 @@ def read_run(run_dir: str | Path) -> Run:
     run_dir = Path(run_dir).expanduser()
     markers = ("run_config.json", "metrics.jsonl", "train.log", LOCK_FILE)
     if not run_dir.is_dir() or not any((run_dir / name).exists() for name in markers):
-        what = "not a directory" if not run_dir.is_dir() else "not a ptbr run directory (no train.log, metrics.jsonl or run_config.json)"
-        raise ConfigError(what, str(run_dir), "give the --output directory of a `ptbr train` or `ptbr finetune` run")
+        what = ("no such directory" if not run_dir.exists() else "a file, not a run directory" if not run_dir.is_dir()
+                else "not a ptbr run directory (no train.log, metrics.jsonl or run_config.json)")
+        raise ConfigError(what, str(run_dir), "give the --output directory of a `ptbr train` or `ptbr finetune` run "
+                          "(by default runs/ptbr and runs/finetune; a run makes it within seconds of starting)")
     problems: list[str] = []
     config = _read_json(run_dir / "run_config.json", problems) or {}
     summary = _read_json(run_dir / "training_summary.json", problems)

@@ -33,6 +33,34 @@ def test_prepare_writes_bins_tokenizer_and_meta(dataset_dir, corpus_dir):
     assert tokenizer.decode(first.tolist()) == "O sol nasceu devagar sobre a serra, e a cidade acordou com cheiro de café e pão quente. Parágrafo 0."
 
 
+def test_a_file_named_twice_is_read_once(tmp_path, dataset_dir, corpus_dir, capsys):
+    """Named directly and inside its directory: its documents would be counted twice (and could
+    land in train.bin and val.bin both)."""
+    twice = tmp_path / "twice"
+    prepare([str(corpus_dir), str(corpus_dir / "contos.txt"), str(corpus_dir)], twice, vocab_size=400,
+            val_fraction=0.1, show_progress=False)
+    assert "warning: --input names 2 file(s) more than once" in capsys.readouterr().err
+    assert (twice / "train.bin").read_bytes() == (dataset_dir / "train.bin").read_bytes()
+
+
+def test_datasets_and_runs_keep_to_their_own_directories(tmp_path, dataset_dir, corpus_dir, capsys):
+    """A run into a dataset's directory would write checkpoints among the data (and starting over
+    would move files there); a dataset into a run's directory, the same the other way round."""
+    assert main(["train", "--data", str(dataset_dir), "--output", str(dataset_dir), "--model-size", "tiny",
+                 "--max-steps", "1", "--device", "cpu"]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: the output directory holds a dataset (train.bin), not a run ({dataset_dir}); fix: give the run a "
+        "directory of its own with --output (e.g. runs/NAME); a dataset is what --data names")
+    assert sorted(p.name for p in dataset_dir.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert main(["prepare", "--input", str(corpus_dir), "--output", str(run), "--vocab-size", "400"]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: the output directory holds a training run (checkpoints), not a dataset ({run}); fix: give the "
+        "dataset a directory of its own with --output (e.g. data/NAME)")
+    assert [p.name for p in run.iterdir()] == ["checkpoints"]
+
+
 def test_reusing_a_tokenizer_gives_the_same_tokens(tmp_path, dataset_dir, corpus_dir):
     again = tmp_path / "again"
     prepare([str(corpus_dir)], again, val_fraction=0.1, tokenizer_path=str(dataset_dir / "tokenizer.json"),

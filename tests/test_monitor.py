@@ -182,6 +182,12 @@ def test_a_folder_that_holds_no_run_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: not a ptbr run directory (no train.log, metrics.jsonl or run_config.json)")
     assert not list(tmp_path.iterdir())
+    assert main(["monitor", str(tmp_path / "runs" / "ptbr"), "--once"]) == 2  # a run not started yet
+    assert capsys.readouterr().err.strip() == (
+        f"error: no such directory ({tmp_path / 'runs' / 'ptbr'}); fix: give the --output directory of a `ptbr "
+        "train` or `ptbr finetune` run (by default runs/ptbr and runs/finetune; a run makes it within seconds of "
+        "starting)")
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_help_states_the_stall_rule_of_the_code():

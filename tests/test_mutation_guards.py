@@ -590,7 +590,8 @@ def test_a_dataset_without_meta_json_refuses_an_id_equal_to_the_vocab_size(datas
     tokens.tofile(dataset_dir / "train.bin")
     with pytest.raises(DataError) as info:
         open_dataset(dataset_dir)
-    assert info.value.what == "train.bin holds token id 400 >= vocab size 400: wrong tokenizer or wrong dtype"
+    assert info.value.what == (f"train.bin holds token id 400 >= vocab size 400 at token offset {len(tokens) // 2}: "
+                               "wrong tokenizer or wrong dtype")
 
 
 # ---- a train.bin shorter than one window ---------------------------------------------------------

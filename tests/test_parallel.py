@@ -48,6 +48,50 @@ def chunks_of(tmp_path: Path, tokens: int, vocab: int) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
 
 
+THREADS_AT_EXIT = """
+import atexit, os
+
+
+def _record_threads_at_exit():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            pass  # a thread that ended meanwhile
+    with open(os.path.join(FOLDER, "rank" + os.environ.get("RANK", "-") + ".txt"), "w") as out:
+        out.write("\\n".join(sorted(names)))
+
+
+atexit.register(_record_threads_at_exit)
+"""
+
+
+def recording_threads_at_exit(tmp_path: Path, env: dict | None = None) -> dict:
+    """An environment (added to `env`, e.g. chunks_of's) in which every process writes the names of
+    its threads as it exits (Linux's /proc/self/task) to tmp_path/threads/rankN.txt."""
+    import os
+
+    folder, hooks = tmp_path / "threads", tmp_path / "hooks"
+    folder.mkdir()
+    hooks.mkdir(exist_ok=True)
+    site = hooks / "sitecustomize.py"
+    earlier = site.read_text() if site.exists() else ""
+    site.write_text(earlier + f"\nFOLDER = {str(folder)!r}\n" + THREADS_AT_EXIT)
+    env = dict(env or os.environ)
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(paths if str(hooks) in paths else filter(None, [str(hooks), *paths]))
+    return env
+
+
+def gloo_threads_at_exit(tmp_path: Path) -> dict[int, list[str]]:
+    """Each rank's gloo threads alive as it exited (none where the process group was destroyed)."""
+    recorded = {int(f.stem[4:]): f.read_text().split("\n") for f in (tmp_path / "threads").glob("rank[0-9]*.txt")}
+    assert sorted(recorded) == [0, 1], recorded
+    return {rank: [name for name in names if "gloo" in name] for rank, names in recorded.items()}
+
+
 def ptbr(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=REPO, env=env)
@@ -94,8 +138,9 @@ def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path, chunked):
               "--device", "cpu"]
     vocab = json.loads((toy.base / "config.json").read_text())["vocab_size"]
     two = torchrun("finetune", "--output", str(tmp_path / "two"), "--batch-size", "3", *common,
-                   env=chunks_of(tmp_path, 10, vocab) if chunked else None)
+                   env=recording_threads_at_exit(tmp_path, chunks_of(tmp_path, 10, vocab) if chunked else None))
     assert two.returncode == 0, two.stderr[-8000:]  # a native abort: every thread's Python stack (faulthandler)
+    assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}  # see test_accelerate_launch_is_a_launcher_too
     assert ("chunked loss: 10 tokens per chunk" in two.stderr) == chunked
     one = ptbr("finetune", "--output", str(tmp_path / "one"), "--batch-size", "6", *common, "--no-chunked-loss")
     assert one.returncode == 0, one.stderr
@@ -128,8 +173,9 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
 def test_fsdp_shards_and_gives_the_same_model(tmp_path):
     common = [*TINY, "--max-steps", "4", "--save-every", "2"]
     fsdp = ptbr("train", "--output", str(tmp_path / "fsdp"), "--batch-size", "2", "--num-processes", "2", "--fsdp",
-                *common)
+                *common, env=recording_threads_at_exit(tmp_path))
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}  # see test_accelerate_launch_is_a_launcher_too
     one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
     assert one.returncode == 0, one.stderr
     assert max_difference(tmp_path / "fsdp" / "final" / "model.safetensors",
@@ -167,14 +213,16 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path):
     run = tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, "-m", "ptbr", "train", "--output", str(run), "--batch-size", "2",
                                  "--num-processes", "2", *TINY, "--max-steps", "100000", "--save-every", "0"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env=recording_threads_at_exit(tmp_path))
     deadline = time.monotonic() + 240
     while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
         assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
         time.sleep(0.2)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)
-    assert launcher.returncode == 130, err[-3000:]
+    assert launcher.returncode == 130, err[-8000:]
+    assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}  # see test_accelerate_launch_is_a_launcher_too
     checkpoints = sorted((run / "checkpoints").iterdir())
     assert len(checkpoints) == 1  # both ranks stopped at the same step boundary: one checkpoint
     step = json.loads((checkpoints[0] / "trainer_state.json").read_text())["step"]
@@ -235,12 +283,19 @@ def test_the_watchdog_names_the_rank_and_step_of_a_stuck_run(tmp_path):
 
 
 def test_accelerate_launch_is_a_launcher_too(tmp_path):
-    """`accelerate launch --multi_gpu --num_processes 2 -m ptbr ...` (torchrun underneath) on CPU."""
+    """`accelerate launch --multi_gpu --num_processes 2 -m ptbr ...` (torchrun underneath) on CPU.
+
+    Every rank exits with its process group destroyed: no gloo thread left. Before, a module that
+    takes the default group as a default argument (imported by transformers after the group
+    existed) and the DDP wrapper's reference cycle kept it alive, and its threads raced the exit:
+    in a few CI runs rank 1 aborted after a finished run ("terminate called without an active
+    exception"), and the launch failed."""
     common = [*TINY, "--max-steps", "2", "--save-every", "2"]
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "-m", "ptbr", "train", "--output", str(tmp_path / "two"), "--batch-size", "2", *common],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=recording_threads_at_exit(tmp_path))
     assert two.returncode == 0, two.stderr[-8000:]  # a native abort: every thread's Python stack (faulthandler)
+    assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}
     assert json.loads((tmp_path / "two" / "run_config.json").read_text())["processes"] == 2
     one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
     assert one.returncode == 0, one.stderr

@@ -197,6 +197,10 @@ def test_wrong_requests_are_one_line_errors(resumed_run, tmp_path, capsys):
                                                "report); fix: give --output DIR (report.md and plots/ are written there)")
     assert main(["report", str(tmp_path)]) == 2
     assert "not a ptbr run directory" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert main(["report", str(resumed_run), "--output", str(tmp_path / "afile")]) == 6
+    assert capsys.readouterr().err.strip().endswith("; fix: a file stands where a directory goes: remove it, or "
+                                                    "choose another output path")
     starting = tmp_path / "starting"
     starting.mkdir()
     (starting / "train.log").write_text("2026-01-01 00:00:00 backend torch, device cpu\n")

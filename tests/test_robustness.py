@@ -265,6 +265,32 @@ def test_sigterm_saves_a_checkpoint_within_seconds_and_the_next_run_resumes(tmp_
     assert metric_lines(out) == step + 2
 
 
+def test_sigterm_before_training_starts_is_exit_130_with_a_line(tmp_path):
+    """Before the graceful stop is in place (imports, data checks, building the model), SIGTERM
+    stops a run as Ctrl-C does: exit 130 and one line, not the shell's silent 143."""
+    ready = tmp_path / "building"
+    script = textwrap.dedent(f"""
+        import pathlib, sys, time
+        import ptbr.runs.pretrain as pretrain
+        def slow_start(*args, **kwargs):
+            pathlib.Path({str(ready)!r}).touch()
+            time.sleep(120)  # a model that takes long to build
+        pretrain._run = slow_start
+        from ptbr.cli import main
+        raise SystemExit(main(sys.argv[1:]))
+    """)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", script, "train", "--output", str(out), *TINY, "--max-steps", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(ready.exists, what="the run to start")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert last_line(err) == ("error: stopped by SIGTERM (ptbr train); fix: run the same command again (a training "
+                              "run resumes from its last checkpoint)")
+    assert not (out / "checkpoints").exists() and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_sigkill_at_several_moments_then_resume_gives_the_uninterrupted_weights(tmp_path):
     settings = ["--max-steps", "12", "--save-every", "2"]
@@ -295,6 +321,19 @@ def test_incomplete_checkpoints_are_skipped_with_a_message(tmp_path):
     assert run.returncode == 0, run.stderr
     assert f"skipping incomplete or corrupt checkpoint {newest}" in run.stderr
     assert f"resuming from {out / 'checkpoints' / 'step_000002'} (step 2)" in run.stderr
+    # named with --resume, it is refused, with the file that is short or missing (the run above
+    # wrote step 4 again)
+    with open(newest / "optimizer.pt", "r+b") as f:
+        f.truncate(100)
+    listed = json.loads((newest / "trainer_state.json").read_text())["files"]["optimizer.pt"]
+    size = listed["size"] if isinstance(listed, dict) else listed
+    named = run_cli("train", "--output", str(tmp_path / "other"), *TINY, "--max-steps", "4", "--resume", str(newest))
+    assert named.returncode == 4
+    assert (f"error: the checkpoint is incomplete or malformed: optimizer.pt holds 100 bytes, trainer_state.json "
+            f"lists {size:,} ({newest})") in named.stderr
+    (newest / "optimizer.pt").unlink()
+    named = run_cli("train", "--output", str(tmp_path / "other"), *TINY, "--max-steps", "4", "--resume", str(newest))
+    assert "error: the checkpoint is incomplete or malformed: optimizer.pt is missing" in named.stderr
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

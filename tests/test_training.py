@@ -274,6 +274,27 @@ def test_final_loads_in_plain_transformers_and_generates(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("Era uma vez")
 
 
+def test_a_val_bin_shorter_than_a_window_is_a_warning_that_says_why(tmp_path, dataset_dir, capsys):
+    val_tokens = json.loads((dataset_dir / "meta.json").read_text())["val_tokens"]
+    seq_len = min(val_tokens, 64)  # no window of seq_len + 1 tokens fits in val.bin
+    meta = json.loads((dataset_dir / "meta.json").read_text())
+    np.fromfile(dataset_dir / "val.bin", dtype="<u2")[:seq_len].tofile(dataset_dir / "val.bin")
+    (dataset_dir / "meta.json").write_text(json.dumps(meta | {"val_tokens": seq_len}))
+    assert main(["train", "--output", str(tmp_path / "run"), "--data", str(dataset_dir), "--model-size", "tiny",
+                 "--seq-len", str(seq_len), "--max-steps", "1", "--device", "cpu"]) == 0
+    assert (f"warning: no validation: val.bin holds {seq_len} tokens, fewer than seq_len + 1 = {seq_len + 1} "
+            f"({dataset_dir / 'val.bin'}); training without evaluation") in capsys.readouterr().err
+
+
+def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, capsys):
+    args = ["train", "--model-size", "tiny", "--seq-len", "32", "--device", "cpu", "--max-steps", "2"]
+    assert main([*args, "--output", str(tmp_path / "run"), "--warmup-steps", "3"]) == 0
+    assert ("warning: --warmup-steps 3 is more than --max-steps 2: the learning rate rises for the whole run and "
+            "never reaches its peak (--learning-rate)") in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path / "equal"), "--warmup-steps", "2"]) == 0  # the peak at the end
+    assert "--warmup-steps" not in capsys.readouterr().err
+
+
 def test_bad_token_in_training_data_names_file_and_offset(tmp_path, dataset_dir, capsys):
     data = np.fromfile(dataset_dir / "train.bin", dtype="<u2")
     data[:] = 399
@@ -285,14 +306,17 @@ def test_bad_token_in_training_data_names_file_and_offset(tmp_path, dataset_dir,
                  str(tokenizer), "--model-size", "tiny", "--seq-len", "16", "--max-steps", "1", "--device", "cpu"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 3
-    assert err.startswith("error: train.bin holds token id 401 >= vocab size 400")
+    assert err.startswith("error: train.bin holds token id 401 >= vocab size 400 at token offset 0:")
 
 
-def test_a_run_closes_its_processes_world_only_when_it_ends_well(tmp_path, monkeypatch):
-    """The process group of a data-parallel run is destroyed at its end (else gloo's threads can
-    abort a rank as it exits); never after a failure, when other ranks may still be inside a
-    collective. Checked on the single-process world, which takes the same path."""
+def test_a_run_closes_its_processes_world_when_it_ends_well_or_is_stopped(tmp_path, monkeypatch):
+    """The process group of a data-parallel run is destroyed at its end (else gloo's threads run on
+    while the process exits), and after a stop by a signal (every rank stops at the same step
+    boundary); never after a failure, when other ranks may still be inside a collective. Checked
+    on the single-process world, which takes the same path."""
     from ptbr.backends.world import SingleProcess
+    from ptbr.errors import Interrupted
+    from ptbr.runs import common
 
     closed = []
     monkeypatch.setattr(SingleProcess, "close", lambda self: closed.append(self))
@@ -301,3 +325,36 @@ def test_a_run_closes_its_processes_world_only_when_it_ends_well(tmp_path, monke
     assert main(["train", "--output", str(tmp_path / "other"), "--model-size", "tiny", "--seq-len", "32",
                  "--resume", str(tmp_path / "missing"), "--device", "cpu"]) != 0
     assert len(closed) == 1
+    world = SingleProcess()
+    with pytest.raises(Interrupted), common.closing_world(world):
+        raise Interrupted("stopped by SIGTERM at step 3")
+    assert closed == [closed[0], world]
+    with pytest.raises(ValueError), common.closing_world(world):
+        raise ValueError("a bug")
+    assert len(closed) == 2
+
+
+def test_the_progress_bar_shows_on_a_terminal_that_reports_no_size(monkeypatch):
+    """A pty nobody sized (`script`, some CI and container consoles) reports 0 x 0: tqdm's dynamic
+    size drew nothing there, so a run showed no progress at all."""
+    import os
+    import pty
+    import select
+    import sys
+
+    from ptbr.train.progress import Progress
+
+    master, slave = pty.openpty()
+    assert os.get_terminal_size(slave).columns == 0
+    with os.fdopen(slave, "w", buffering=1) as stream:
+        monkeypatch.setattr(sys, "stderr", stream)
+        progress = Progress(10, 0, 1)
+        for step in range(1, 11):
+            progress.update(step, 5.0, 1e-3, 1000.0)
+        progress.close()
+        stream.flush()
+        shown = b""
+        while select.select([master], [], [], 0.5)[0]:
+            shown += os.read(master, 1 << 16)
+    os.close(master)
+    assert b"10/10" in shown and b"loss 5.0000" in shown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,16 @@ def find_corpus_files(inputs: list[str]) -> list[Path]:
             problems.append(f"input not found: {path}")
     if problems:
         raise DataError("; ".join(problems), "--input", "give .txt files, .jsonl files with a \"text\" field, or directories of them")
-    return files
+    unique: dict[Path, list[Path]] = {}
+    for path in files:
+        unique.setdefault(path.resolve(), []).append(path)
+    repeated = sum(len(named) > 1 for named in unique.values())
+    if repeated:
+        # named twice, or named and inside a directory also named: its documents would be counted
+        # twice, and could land in both train.bin and val.bin
+        print(f"warning: --input names {repeated} file(s) more than once (directly or inside a directory also "
+              "given): each is read once", file=sys.stderr, flush=True)
+    return [named[0] for named in unique.values()]
 
 
 def iter_documents(path: Path) -> Iterator[tuple[str, bool]]:

@@ -20,6 +20,8 @@ from ptbr.files import file_sha256, fsync, remove_leftovers, writing
 META_FORMAT = "ptbr-tokens"
 DOCS_PER_BATCH = 256
 DATASET_FILES = ("tokenizer.json", "train.bin", "val.bin", "meta.json")
+# what only a training run's directory holds (ptbr/runs/common.py RUN_FILES): a dataset never goes there
+RUN_MARKERS = ("run_config.json", "checkpoints", "training_summary.json")
 # Far beyond any real vocabulary (the largest are ~260k), and what uint32 ids and RAM allow.
 MAX_VOCAB_SIZE = 1 << 20
 # A trained vocabulary below this share of --vocab-size is reported (the corpus ran out of merges).
@@ -51,6 +53,10 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     files = find_corpus_files(inputs)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     output = Path(output)
+    run = [name for name in RUN_MARKERS if (output / name).exists()]
+    if run:
+        raise OutputError(f"the output directory holds a training run ({run[0]}), not a dataset", str(output),
+                          "give the dataset a directory of its own with --output (e.g. data/NAME)")
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

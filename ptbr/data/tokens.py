@@ -118,13 +118,16 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     if meta is not None and train is not None and meta.get("train_tokens") not in (None, len(train)):
         problems.append(f"meta.json says {meta['train_tokens']} train tokens but train.bin holds {len(train)}")
     if meta is None and train is not None:
-        top = int(train[:QUICK_SCAN_TOKENS].max())
-        if top >= vocab_size:
-            problems.append(f"train.bin holds token id {top} >= vocab size {vocab_size}: "
-                            "wrong tokenizer or wrong dtype")
+        head = np.asarray(train[:QUICK_SCAN_TOKENS])
+        if int(head.max()) >= vocab_size:
+            offset = int(np.argmax(head >= vocab_size))
+            problems.append(f"train.bin holds token id {int(head[offset])} >= vocab size {vocab_size} at token "
+                            f"offset {offset}: wrong tokenizer or wrong dtype")
     if problems:
+        tokenizer_said = any("tokenizer" in problem or "token id" in problem for problem in problems)
         raise DataError("; ".join(problems), str(directory),
-                        "re-run `ptbr prepare`, or pass the tokenizer the data was made with")
+                        "re-run `ptbr prepare`" + (", or pass the tokenizer the data was made with" if tokenizer_said
+                                                  else " (the files are cut short or changed since)"))
     return TokenDataset(directory, tokenizer_path, dtype, vocab_size, eos_id(tok, tokenizer_path), meta, train, val, warnings)
 
 

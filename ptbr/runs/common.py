@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
-from ptbr.errors import ConfigError, DeviceError, ModelError, OutputError, PtbrError, error_line
+from ptbr.data.tokens import INCOMPLETE_MARKER
+from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, OutputError, PtbrError, error_line
 from ptbr.files import first_line, read_json, remove_leftovers, write_json
 from ptbr.log import attach_run_log, detach, log, to_file_only
 from ptbr.memory import Architecture, estimate_run
@@ -31,6 +33,7 @@ from ptbr.train.checkpoint import (
     complete_checkpoints,
     corruption,
     read_state,
+    why_incomplete,
 )
 from ptbr.train.lock import RunLock
 from ptbr.train.loop import LoopState, TrainingStep
@@ -46,6 +49,12 @@ PREVIOUS = "previous"
 
 def create_run_dir(output: str) -> Path:
     run_dir = Path(output)
+    dataset = [name for name in ("train.bin", INCOMPLETE_MARKER) if (run_dir / name).exists()]
+    if dataset:
+        # a run would write its checkpoints among the data, and starting over would move files there
+        raise OutputError(f"the output directory holds a dataset ({dataset[0]}), not a run", str(run_dir),
+                          "give the run a directory of its own with --output (e.g. runs/NAME); a dataset is "
+                          "what --data names")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write_test"
@@ -55,6 +64,23 @@ def create_run_dir(output: str) -> Path:
         raise OutputError(f"cannot create or write the output directory: {exc.strerror or exc}", str(run_dir),
                           "choose a path you can write to with --output") from exc
     return run_dir
+
+
+@contextmanager
+def closing_world(world: World) -> Iterator[World]:
+    """Close a data-parallel run's world (destroy its process group, whose threads would otherwise
+    run on while the process exits) when the run ends well, or stops on a signal: every rank then
+    stops at the same step boundary, after the same checkpoint. Not after a failure, when another
+    rank may still wait inside a collective for this one."""
+    try:
+        yield world
+    except Interrupted as stop:
+        # the finished frames of its traceback hold the run's model and DDP wrapper, which hold
+        # the group: their locals go (the traceback still shows where it was raised)
+        traceback.clear_frames(stop.__traceback__)
+        world.close()
+        raise
+    world.close()
 
 
 @contextmanager
@@ -171,7 +197,7 @@ def _find_resume(run_dir: Path, settings, identity: dict) -> Resume:
             raise ModelError("not a checkpoint (it has no trainer_state.json)", str(path),
                              "give a checkpoints/step_NNNNNN directory, or --resume auto or never")
         if state is None:
-            raise ModelError("the checkpoint is incomplete or malformed (trainer_state.json, or a file it lists)",
+            raise ModelError(f"the checkpoint is incomplete or malformed: {why_incomplete(path)}",
                              str(path), "give another checkpoint, or --resume auto to pick the newest complete one")
         _check_belongs(path, state, settings, identity)
         problem = corruption(path, state)
@@ -296,6 +322,14 @@ def start_state(step: TrainingStep, resume: Resume) -> LoopState:
 def effective_batch(settings, world: World) -> int:
     """Sequences (or examples) per optimizer step: micro-batch x accumulation x processes."""
     return settings.batch_size * settings.grad_accum * world.size
+
+
+def warn_if_warmup_outlasts_the_run(settings) -> None:
+    """A warmup as long as the run (e.g. --warmup-steps 100 with --max-steps 20) is allowed, but
+    the learning rate then rises for the whole run and never reaches the peak that was asked for."""
+    if settings.warmup_steps > settings.max_steps:
+        log(f"warning: --warmup-steps {settings.warmup_steps} is more than --max-steps {settings.max_steps}: the "
+            "learning rate rises for the whole run and never reaches its peak (--learning-rate)")
 
 
 def describe_placement(backend, settings) -> str:

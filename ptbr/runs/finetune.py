@@ -29,6 +29,7 @@ from ptbr.log import log
 from ptbr.memory import Architecture
 from ptbr.runs.common import (
     Resume,
+    closing_world,
     describe_placement,
     effective_batch,
     find_resume,
@@ -38,6 +39,7 @@ from ptbr.runs.common import (
     predicted_peak_bytes,
     refuse_auto_fit_in_parallel,
     start_state,
+    warn_if_warmup_outlasts_the_run,
     write_run_config,
 )
 from ptbr.train.autofit import auto_fit, ram_guard, resume_smaller_on_oom
@@ -64,7 +66,7 @@ class FinetuneResult:
 def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
     backend = create_backend(settings.backend, settings.device, settings.precision)
     refuse_auto_fit_in_parallel(settings, backend.world)
-    with open_run(settings, backend.world) as run_dir:
+    with closing_world(backend.world), open_run(settings, backend.world) as run_dir:
         with Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
                       backend.world.rank, backend.world.size) as watchdog:
             loaded = _load(settings, backend, run_dir)
@@ -78,7 +80,6 @@ def run_finetune(settings: FinetuneConfig) -> FinetuneResult:
             # outside the watchdog: loading and merging a 7B base on the CPU takes minutes
             # without a step to report
             result.summary = backend.world.decide(lambda: _merge(settings, run_dir, result.summary))
-    backend.world.close()  # only after a run that ended well (see ptbr/runs/pretrain.py)
     return result
 
 
@@ -159,6 +160,7 @@ def _load(settings: FinetuneConfig, backend, run_dir: Path) -> Loaded:
     resolved = settings.resolve_steps(steps_per_epoch(len(train.examples), effective_batch(settings, backend.world)))
     resume = find_resume(run_dir, resolved, run_identity, backend.world)
     log(f"{describe_placement(backend, settings)}; base weights {settings.quant}")
+    warn_if_warmup_outlasts_the_run(resolved)
     adapted = backend.load_adapted(settings)
     if config is None:  # a downloaded base: the same checks, now that its config is known
         check_tokenizer_fits(settings.base, tokenizer, adapted.config)

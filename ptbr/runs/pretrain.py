@@ -23,6 +23,7 @@ from ptbr.files import file_sha256, write_directory
 from ptbr.log import log
 from ptbr.memory import Architecture
 from ptbr.runs.common import (
+    closing_world,
     describe_placement,
     effective_batch,
     find_resume,
@@ -32,6 +33,7 @@ from ptbr.runs.common import (
     predicted_peak_bytes,
     refuse_auto_fit_in_parallel,
     start_state,
+    warn_if_warmup_outlasts_the_run,
     write_run_config,
 )
 from ptbr.train.autofit import auto_fit, ram_guard, resume_smaller_on_oom
@@ -47,7 +49,7 @@ def run_pretrain(settings: PretrainConfig) -> dict:
     refuse_auto_fit_in_parallel(settings, backend.world)
     if settings.compile:  # a torch option: MLX refused it before the backend was made
         backend.check_compile()
-    with open_run(settings, backend.world) as run_dir, \
+    with closing_world(backend.world), open_run(settings, backend.world) as run_dir, \
             Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
                      backend.world.rank, backend.world.size) as watchdog:
         if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
@@ -55,9 +57,6 @@ def run_pretrain(settings: PretrainConfig) -> dict:
         else:
             with out_of_memory_is_an_error(backend):
                 summary = _run(settings, backend, run_dir, watchdog)
-    # only after a run that ended well: a rank that failed may leave the others inside a collective,
-    # which destroying the process group would wait on
-    backend.world.close()
     return summary
 
 
@@ -83,6 +82,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     run_identity = identity(settings, dataset, backend)
     resume = find_resume(run_dir, settings, run_identity, world)
     log(describe_placement(backend, settings))
+    warn_if_warmup_outlasts_the_run(settings)
 
     if settings.auto_fit:
         settings = _auto_fit(settings, backend, dataset, preset)
@@ -114,7 +114,10 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
                                dataset.vocab_size, settings.eval_batches)
         eval_batches = [windows_to_batch(w) for w in windows] or None
     if eval_batches is None:
-        log("warning: no usable val.bin: training without evaluation")
+        why = ("there is no val.bin" if dataset.val is None else
+               f"val.bin holds {len(dataset.val)} tokens, fewer than seq_len + 1 = {settings.seq_len + 1}")
+        log(f"warning: no validation: {why} ({dataset.val_path}); training without evaluation "
+            "(`ptbr prepare --val-fraction` sets its share of the tokens)")
 
     started = time.monotonic()
     schedule = resume.schedule or Schedule.from_settings(settings)

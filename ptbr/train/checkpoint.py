@@ -68,6 +68,26 @@ def read_state(path: Path) -> dict | None:
         return None
 
 
+def why_incomplete(path: Path) -> str:
+    """Why read_state(path) found no complete checkpoint, in words that name the file."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except OSError as exc:
+        return f"{STATE_FILE} cannot be read ({exc.strerror or exc})"
+    except ValueError:
+        return f"{STATE_FILE} is not valid JSON"
+    if not _well_formed(state):
+        return f"{STATE_FILE} is malformed"
+    for name, entry in state["files"].items():
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size != _size(entry):
+            return f"{name} holds {size:,} bytes, {STATE_FILE} lists {_size(entry):,}"
+    return "it changed while it was read"
+
+
 def _size(entry) -> int:
     return entry["size"] if isinstance(entry, dict) else entry
 

@@ -6,6 +6,7 @@ the step needs (the old tools blamed a progress bar for a hang that an unevaluat
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -16,6 +17,16 @@ def format_eta(seconds: float) -> str:
     seconds = int(max(0, seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+UNSIZED_COLUMNS, UNSIZED_ROWS = 100, 24
+
+
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 class Progress:
@@ -31,8 +42,12 @@ class Progress:
         if self.tty and enabled:
             from tqdm import tqdm
 
+            # a terminal that reports no size (a pty nobody sized: `script`, some CI and container
+            # consoles) gets no bar at all from tqdm (zero columns, zero rows): a fixed size there
+            sized = _columns(self.stream) > 0
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=self.stream,
-                            dynamic_ncols=True, mininterval=0.5)
+                            dynamic_ncols=sized, ncols=None if sized else UNSIZED_COLUMNS,
+                            nrows=None if sized else UNSIZED_ROWS, mininterval=0.5)
 
     def eta(self, step: int) -> float:
         done = step - self.start_step

@@ -48,6 +48,7 @@ class TorchWorld:
 
         self.device = device
         if not dist.is_initialized():
+            _import_what_would_keep_the_group_alive()
             backend = "nccl" if device.type == "cuda" else "gloo"
             try:
                 dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT,
@@ -110,10 +111,44 @@ class TorchWorld:
         return f"{self.size} processes (rank {self.rank})"
 
     def close(self) -> None:
+        """Destroy the process group, and with it gloo's threads, which would otherwise race the
+        process's exit (tests/test_parallel.py checks that none is left)."""
         import torch.distributed as dist
 
         if dist.is_initialized():
+            _release_what_holds_the_group()
             dist.destroy_process_group()
+
+
+def _import_what_would_keep_the_group_alive() -> None:
+    """Some of torch's functions take the default process group as a default argument
+    (`group=group.WORLD` in torch.distributed.nn.functional; FSDP's ShardedGradScaler): a module
+    first imported after the group exists holds the group itself for good, and
+    destroy_process_group can never free it. transformers and DDP import them (through
+    torch._dynamo) after the group is made, so gloo's threads outlived every run and ran on while
+    the process exited, the likely cause of a rank that now and then aborted after a finished run
+    ("terminate called without an active exception", seen in CI). Imported first, their default
+    is None (the default group when called); torch._dynamo would be imported anyway."""
+    import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+def _release_what_holds_the_group() -> None:
+    """destroy_process_group frees the group only with its last reference. The run's DDP wrapper
+    and its TorchStep form a reference cycle that only the garbage collector frees; under FSDP,
+    DTensor's caches (sharding, redistribution plans, mesh topology) keep the device mesh for
+    good, and the mesh holds the group by name: its registry is emptied (the group is being
+    destroyed; no mesh of this run is used again)."""
+    import gc
+
+    gc.collect()
+    if "torch.distributed.device_mesh" in sys.modules:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+            registry = getattr(mesh, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
 
 
 def _picklable(value) -> bool:
@@ -164,10 +199,12 @@ def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> 
         return Interrupted.exit_code  # the workers were told, and saved their checkpoint
     except ChildFailedError as exc:
         # a rank that stopped with a documented code said why (rank 0 on this terminal: prefer it);
-        # the others were stopped by the launcher when the first one failed
-        documented = {r: f for r, f in exc.failures.items() if f.exitcode in EXIT_CODES and f.exitcode != 1}
-        rank, failure = ((0, documented[0]) if 0 in documented else
-                         min(documented.items()) if documented else exc.get_first_failure())
+        # the others were stopped by the launcher when the first one failed (its SIGTERM: 130)
+        stopped = Interrupted.exit_code
+        failed = {r: f for r, f in exc.failures.items() if f.exitcode != stopped}
+        documented = {r: f for r, f in failed.items() if f.exitcode in EXIT_CODES and f.exitcode != 1}
+        first = min((failed or exc.failures).items(), key=lambda item: item[1].timestamp)
+        rank, failure = ((0, documented[0]) if 0 in documented else min(documented.items()) if documented else first)
         code = failure.exitcode if failure.exitcode in EXIT_CODES else 1
         if rank != 0:  # rank 0 was stopped before it could say anything: the failing rank's own line
             where = next(iter(sorted(logs.rglob(f"{rank}/stderr.log"))), None)

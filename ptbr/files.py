@@ -78,6 +78,22 @@ def writing(what: str, where: Path | str, fix: str | None = None) -> Iterator[No
         raise error from exc
 
 
+# the permissions a new file gets here (0644 under the usual umask 022), read once
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def usual_mode(path: Path) -> None:
+    """Give a written file at least the permissions any new file gets here (an executable stays
+    one). safetensors (0.8) writes its files through a private temporary file, 0600: a model or
+    adapter that others on the machine (or the host's user, for a container's output) could not
+    read, beside 0644 configs."""
+    current = path.stat().st_mode & 0o777
+    wanted = current | (0o666 & ~_UMASK)
+    if wanted != current:
+        path.chmod(wanted)
+
+
 def write_directory(final: Path, fill: Callable[[Path], None], what: str, fix: str | None = None) -> Path:
     """Call fill(tmp) on an empty directory beside `final`, fsync it, then make it `final`.
     A failure at any point leaves the previous `final` in place."""
@@ -91,6 +107,7 @@ def write_directory(final: Path, fill: Callable[[Path], None], what: str, fix: s
             fill(tmp)
             for path in sorted(tmp.rglob("*")):
                 if path.is_file():
+                    usual_mode(path)
                     fsync(path)
             fsync(tmp)
             if final.exists():
@@ -113,6 +130,7 @@ def write_file(path: Path, fill: Callable[[Path], None], what: str, fix: str | N
     try:
         with writing(what, path, fix):
             fill(tmp)
+            usual_mode(tmp)
             fsync(tmp)
             tmp.replace(path)
             fsync(path.parent)

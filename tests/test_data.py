@@ -46,11 +46,16 @@ def test_a_file_named_twice_is_read_once(tmp_path, dataset_dir, corpus_dir, caps
 def test_datasets_and_runs_keep_to_their_own_directories(tmp_path, dataset_dir, corpus_dir, capsys):
     """A run into a dataset's directory would write checkpoints among the data (and starting over
     would move files there); a dataset into a run's directory, the same the other way round."""
-    assert main(["train", "--data", str(dataset_dir), "--output", str(dataset_dir), "--model-size", "tiny",
-                 "--max-steps", "1", "--device", "cpu"]) == 6
+    assert main(["train", "--output", str(dataset_dir), "--model-size", "tiny", "--max-steps", "1",
+                 "--device", "cpu"]) == 6  # the bundled sample as --data, another dataset as --output
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: the output directory holds a dataset (train.bin), not a run ({dataset_dir}); fix: give the run a "
         "directory of its own with --output (e.g. runs/NAME); a dataset is what --data names")
+    assert main(["train", "--data", str(dataset_dir), "--output", str(dataset_dir), "--model-size", "tiny",
+                 "--max-steps", "1", "--device", "cpu"]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --output is the directory of --data {dataset_dir} ({dataset_dir}); fix: give the run a directory "
+        "of its own with --output (e.g. runs/NAME)")
     assert sorted(p.name for p in dataset_dir.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -223,14 +223,40 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         Case(finetune + [str(tmp_path / "v"), "--base", str(toy.base), "--data", str(toy.data), "--valid",
                          str(tmp_path / "nope.jsonl")], 3, "validation file not found"),
         Case(["validate-data", str(toy.data), "--base", str(toy.base), "--max-seq-len", "-5"], 2, "max-seq-len"),
+        Case(["info", "--data", str(toy.data)], 3, "fix: this is fine-tuning data (train.jsonl): `ptbr finetune "
+             "--data` and `ptbr validate-data` take it"),
+        Case(["validate-data", f"{tmp_path / 'nope'}/"], 3, f"error: not found ({tmp_path / 'nope'}/); fix: give a "
+             ".jsonl file, or a directory holding train.jsonl (and valid.jsonl)"),
         Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(adapter_run)], 6,
              "output"),
         Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(toy.base)], 6, "output"),
+        # a fine-tuning run's files would mix with its data's or its base's
+        Case(finetune + [str(toy.data), "--base", str(toy.base), "--data", str(toy.data)], 6,
+             f"--output is the directory of --data {toy.data}"),
+        Case(finetune + [str(toy.base), "--base", str(toy.base), "--data", str(toy.data / "train.jsonl")], 6,
+             f"--output is the directory of --base {toy.base}"),
+        # export-adapter swaps its output in whole: never over a run, a base, a folder of other files
+        # or the adapter itself (it replaced all of them, without a copy)
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run / "checkpoints")], 6,
+             "--output already holds other files (step_000001): the export would replace them"),
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run)], 6,
+             "--output is or holds the adapter: the export would replace it"),
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(toy.base)], 6,
+             "--output already holds other files (model.safetensors)"),
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(toy.data)], 6,
+             "--output already holds other files (train.jsonl, valid.jsonl)"),
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter)], 6,
+             "--output is or holds the adapter: the export would replace it"),
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run / "adapters" / "mlx")], 6,
+             "--output is or holds the adapter"),
         Case(["generate", "", "--model", str(toy.base)], 2, "prompt"),
         Case(["generate", "Oi", "--model", str(toy.base), "--temperature", "nan"], 2, "temperature"),
         Case(["generate", "Oi", "--model", str(toy.base), "--seed", "-5"], 2, "seed"),
         Case(["generate", "Oi", "--model", str(bases["model.safetensors:random"])], 4, ""),
         Case(["generate", "Oi", "--model", str(adapter_run / "checkpoints" / "step_000001")], 4, ""),
+        Case(["generate", "Oi", "--model", str(adapter)], 4,
+             f"fix: this is a LoRA adapter: give its base model, and the adapter apart (--model {toy.base} --adapter "
+             f"{adapter} for generate"),
         Case(["generate", "Oi", "--model", str(toy.base), "--adapter", str(adapters["adapter_model.safetensors:random"])],
              4, ""),
     ]
@@ -239,7 +265,10 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
     cases += [Case(["merge", "--base", str(toy.base), "--adapter", str(wider_mlx_adapter(adapter, tmp_path)),
                     "--output", str(tmp_path / "m-wider")], 4, f"({tmp_path / 'wider-mlx'}); fix: give the base"),
               Case(["generate", "Oi", "--model", str(toy.base), "--adapter", str(tmp_path / "wider-mlx")], 4,
-                   f"({tmp_path / 'wider-mlx'}); fix: give the base")]
+                   f"({tmp_path / 'wider-mlx'}); fix: give the base"),
+              # the line names the tensor that does not fit (torch's first line only says "Error(s) in loading")
+              Case(["merge", "--base", str(toy.base), "--adapter", str(tmp_path / "wider-mlx"), "--output",
+                    str(tmp_path / "m-wider")], 4, "the adapter does not fit this base model: size mismatch for ")]
     for case in cases:
         assert_refused(capsys, main(case.args), case.code, case.says, case.args)
 

@@ -28,7 +28,11 @@ def test_validate_data_and_finetune_give_one_verdict(toy, tmp_path, capsys):
     assert "no example is left within max_seq_len 8" in out and "\n  ok" not in out
     assert main(["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(tmp_path / "run"),
                  "--quant", "none", "--max-seq-len", "8"]) == 3
-    assert "no example is left within max_seq_len 8" in last_error(capsys)
+    error = last_error(capsys)
+    assert "no example is left within max_seq_len 8" in error
+    assert error.endswith("; fix: raise --max-seq-len (the longest example has 49 tokens)"), error
+    assert main(["validate-data", str(toy.data), "--base", str(toy.base), "--max-seq-len", "8"]) == 3
+    assert last_error(capsys).endswith("; fix: raise --max-seq-len (the longest example has 49 tokens)")
     # and a length both accept
     assert main(["validate-data", str(toy.data), "--base", str(toy.base), "--max-seq-len", "64"]) == 0
     assert "40 usable within max_seq_len 64" in capsys.readouterr().out
@@ -204,7 +208,9 @@ def test_examples_longer_than_the_model_are_one_verdict(toy, tmp_path, capsys):
     assert "1 examples are longer than the base model's 256 positions" in capsys.readouterr().out
     assert main(["finetune", "--base", str(toy.base), "--data", str(long), "--output", str(tmp_path / "run"),
                  "--quant", "none"]) == 3
-    assert "longer than the base model's 256 positions" in last_error(capsys)
+    error = last_error(capsys)
+    assert "longer than the base model's 256 positions" in error
+    assert error.endswith("; fix: give --max-seq-len 256 or less (the base model's positions)"), error
 
 
 def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):

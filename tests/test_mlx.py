@@ -410,6 +410,7 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
 
     peft, back = tmp_path / "peft", tmp_path / "back"
     assert main(["export-adapter", adapters, "--to", "peft", "--output", str(peft)]) == 0
+    assert main(["export-adapter", adapters, "--to", "peft", "--output", str(peft)]) == 0  # an earlier export: replaced
     assert main(["export-adapter", str(peft), "--to", "mlx", "--output", str(back)]) == 0
     a, b = mx.load(f"{adapters}/adapters.safetensors"), mx.load(str(back / "adapters.safetensors"))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)

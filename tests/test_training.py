@@ -358,3 +358,21 @@ def test_the_progress_bar_shows_on_a_terminal_that_reports_no_size(monkeypatch):
             shown += os.read(master, 1 << 16)
     os.close(master)
     assert b"10/10" in shown and b"loss 5.0000" in shown
+
+
+def test_every_file_a_run_writes_is_readable_as_any_new_file_is(tmp_path):
+    """safetensors writes its files 0600 (through a private temporary file): a model beside 0644
+    configs that another user, or the host's user of a container's output, could not read. The
+    writer gives them the permissions of any new file (the umask's)."""
+    import os
+    import stat
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    usual = 0o666 & ~umask
+    train(tmp_path / "run", "--max-steps", "3")
+    written = [p for folder in ("final", "checkpoints") for p in (tmp_path / "run" / folder).rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in written)
+    private = [f"{p.relative_to(tmp_path)}: {stat.S_IMODE(p.stat().st_mode):o}" for p in written
+               if stat.S_IMODE(p.stat().st_mode) & usual != usual]
+    assert not private

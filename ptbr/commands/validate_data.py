@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ptbr.config import FinetuneConfig
 from ptbr.errors import ConfigError, DataError
-from ptbr.finetune.data import data_paths
+from ptbr.finetune.data import data_paths, fix_of
 from ptbr.flags import setting_default
 
 
@@ -18,6 +18,8 @@ def data_sets(paths: list[str]) -> list[tuple[Path, Path | None]]:
     found = []
     for name in paths:
         path = Path(name)
+        if not path.exists():
+            raise DataError("not found", name, "give a .jsonl file, or a directory holding train.jsonl (and valid.jsonl)")
         found.append(data_paths(name, None) if path.is_dir() else (path, None))
     return found
 
@@ -69,10 +71,11 @@ def main(args) -> int:
             if report.ok:
                 print("  ok")
         if tokenizer is None:
-            print("(give --base MODEL_DIR to also check token lengths and the chat template)")
+            print("(give --base MODEL_DIR to also check token lengths and the chat template"
+                  + (": --max-seq-len counts its tokens, and was not checked)" if args.max_seq_len is not None else ")"))
     problems = sum(len(r.problems) for r in reports)
     if problems:
         failed = [str(r.path) for r in reports if not r.ok]
         raise DataError(f"{problems} problem{'s' if problems > 1 else ''} found", ", ".join(failed),
-                        "fix the lines listed above")
+                        fix_of([r for r in reports if not r.ok], "fix the lines listed above"))
     return 0

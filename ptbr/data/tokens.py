@@ -76,8 +76,11 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
                         "run the same `ptbr prepare` again")
     train_path = directory / "train.bin"
     if not train_path.is_file():
-        raise DataError("no train.bin in the data directory", str(directory),
-                        "run `ptbr prepare --input TEXTS --output DIR` first")
+        fix = "run `ptbr prepare --input TEXTS --output DIR` first"
+        if (directory / "train.jsonl").is_file():
+            fix = ("this is fine-tuning data (train.jsonl): `ptbr finetune --data` and `ptbr validate-data` take it; "
+                   "to pretrain on it, run `ptbr prepare --input TEXTS --output DIR` first")
+        raise DataError("no train.bin in the data directory", str(directory), fix)
     meta = _read_meta(directory)
     tokenizer_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
     if not tokenizer_path.is_file():

@@ -48,24 +48,46 @@ def check_adapter(adapter: str | Path) -> Path:
 def check_merge_output(output: str | Path, base: str, adapter: str | Path) -> Path:
     """Where a merged model may go: a new or empty directory, or one holding only a model (an
     earlier merge); never the base, the adapter, a run directory or any other files."""
+    def a_model_file(path: Path) -> bool:
+        return path.name in MODEL_FILES or (path.is_file() and path.name.startswith("model") and
+                                            path.suffix == ".safetensors")
+
+    return check_output(output, "the merge", "the merged model", a_model_file,
+                        (("base model", Path(base).expanduser()), ("adapter", Path(adapter))))
+
+
+def check_export_output(output: str | Path, adapter: str | Path, base: str | None) -> Path:
+    """Where a converted adapter may go: a new or empty directory, or one holding only adapter
+    files (an earlier export: both formats' weights and configs, and the files the adapter itself
+    holds); never the adapter, the base, a run directory or any other files."""
+    adapter = Path(adapter)
+    own = {*ADAPTER_WEIGHTS, "adapter_config.json", "README.md", ADAPTER_META, *MODEL_FILES}
+    own |= {p.name for p in adapter.iterdir()} if adapter.is_dir() else set()
+    protected = (("adapter", adapter),) + ((("base model", Path(base).expanduser()),) if base else ())
+    return check_output(output, "the export", "the converted adapter", lambda path: path.name in own, protected)
+
+
+def check_output(output: str | Path, writing: str, thing: str, replaceable, protected) -> Path:
+    """Where `thing` may be swapped in whole by `writing`: a new or empty directory, or one whose
+    every file `replaceable(path)` accepts (an earlier one); never a `protected` (name, directory),
+    inside one or around one, nor a directory of other files (a run, a dataset, notes)."""
     path = Path(output)
     if not str(output).strip():
-        raise ConfigError("--output must be a directory path, got an empty one", "ptbr merge", "give a new directory")
+        raise ConfigError("--output must be a directory path, got an empty one", "--output", f"give a new directory for {thing}")
     resolved = path.expanduser().resolve()
-    for name, other in (("base model", Path(base).expanduser()), ("adapter", Path(adapter))):
+    for name, other in protected:
         if other.exists() and (resolved == other.resolve() or other.resolve() in resolved.parents or
                                resolved in other.resolve().parents):
-            raise OutputError(f"--output is or holds the {name}: the merge would replace it", str(output),
-                              "give a new directory for the merged model")
+            raise OutputError(f"--output is or holds the {name}: {writing} would replace it", str(output),
+                              f"give a new directory for {thing}")
     if path.exists():
         if not path.is_dir():
-            raise OutputError("--output is a file", str(output), "give a new directory for the merged model")
-        other_files = sorted(p.name for p in path.iterdir() if p.name not in MODEL_FILES and
-                             not (p.is_file() and p.name.startswith("model") and p.suffix == ".safetensors"))
+            raise OutputError("--output is a file", str(output), f"give a new directory for {thing}")
+        other_files = sorted(p.name for p in path.iterdir() if not replaceable(p))
         if other_files:
             shown = ", ".join(other_files[:4]) + (", ..." if len(other_files) > 4 else "")
-            raise OutputError(f"--output already holds other files ({shown}): the merge would replace them",
-                              str(output), "give a new directory for the merged model")
+            raise OutputError(f"--output already holds other files ({shown}): {writing} would replace them",
+                              str(output), f"give a new directory for {thing}")
     return path
 
 

@@ -28,6 +28,18 @@ def is_local(base: str) -> bool:
     return Path(base).expanduser().exists()
 
 
+def _adapter_base(adapter: Path) -> str | None:
+    """The base an adapter directory names (ptbr_adapter.json, else PEFT's adapter_config.json)."""
+    for name, key in (("ptbr_adapter.json", "base"), ("adapter_config.json", "base_model_name_or_path")):
+        try:
+            value = json.loads((adapter / name).read_text(encoding="utf-8")).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 def check_base(base: str, download: bool = False, what: str = "base model") -> None:
     """A local base must be a directory with config.json and weights. Anything else is an error,
     unless `download` allows a Hugging Face Hub id."""
@@ -37,8 +49,12 @@ def check_base(base: str, download: bool = False, what: str = "base model") -> N
             raise ModelError(f"the {what} must be a directory, not a file", base,
                              "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
         if not (path / "config.json").is_file():
-            raise ModelError(f"no config.json in the {what} directory", base,
-                             "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
+            fix = "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
+            if (path / "adapter_config.json").is_file():  # the adapters/ of a fine-tuning run
+                named = _adapter_base(path)
+                fix = (f"this is a LoRA adapter: give its base model, and the adapter apart (--model "
+                       f"{named or 'BASE'} --adapter {base} for generate; --base and --adapter for merge)")
+            raise ModelError(f"no config.json in the {what} directory", base, fix)
         if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
             raise ModelError(f"no weights (*.safetensors or pytorch_model*.bin) in the {what} directory", base,
                              "download the complete model, weights included")

@@ -27,7 +27,7 @@ import numpy as np
 
 from ptbr.errors import ConfigError, ModelError, PtbrError
 from ptbr.files import write_directory
-from ptbr.finetune.adapter import ADAPTER_META
+from ptbr.finetune.adapter import ADAPTER_META, check_export_output
 
 FORMATS = ("peft", "mlx")
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -237,9 +237,8 @@ def adapter_as(adapter: str | Path, wanted: str, stack: ExitStack) -> str:
 def export_adapter(adapter: str | Path, to: str, output: str | Path, base: str | None = None) -> tuple[Path, str]:
     """`ptbr export-adapter`: the adapter in format `to`, written aside and swapped into `output`.
     Returns the output and the format the adapter was in."""
-    adapter, output = Path(adapter), Path(output)
-    if adapter.resolve() == output.resolve():
-        raise ConfigError("--output is the adapter directory itself", str(output), "give another directory")
+    adapter = Path(adapter)
+    output = check_export_output(output, adapter, base)
     found = {}
 
     def fill(tmp: Path) -> None:

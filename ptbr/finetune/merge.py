@@ -76,7 +76,11 @@ def apply_adapter(model, adapter: Path):
     try:
         return PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - peft raises many kinds; all mean "this adapter cannot be used here"
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # torch's first line only says "Error(s) in loading state_dict": the line that names a tensor
+        telling = next((line for line in lines if line.startswith(("size mismatch", "Missing key", "Unexpected key"))),
+                       lines[0] if lines else type(exc).__name__)
+        reason = telling[:300]
         if "size mismatch" in str(exc) or "shape" in str(exc).lower() or "Missing key" in str(exc):
             raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
                              "give the base model the adapter was trained on (its ptbr_adapter.json names it)") from exc

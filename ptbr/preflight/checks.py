@@ -212,7 +212,7 @@ def check_finetune_data(settings: FinetuneConfig, tokenizer=None, positions: int
                         ) -> tuple[list[Check], dict]:
     """The JSONL files, with the verdict `ptbr finetune` and `validate-data` give (and encoded, with
     the length policy applied, when the base's tokenizer loaded). Returns (checks, {"examples", "longest"})."""
-    from ptbr.finetune.data import data_paths, inspect_pair, problems_summary
+    from ptbr.finetune.data import data_paths, fix_of, inspect_pair, problems_summary
 
     try:
         train_path, valid_path = data_paths(settings.data, settings.valid)
@@ -233,7 +233,7 @@ def check_finetune_data(settings: FinetuneConfig, tokenizer=None, positions: int
             summary = {"examples": count, "longest": report.longest}
         if report.problems:
             checks.append(Check(name, FAIL, value, problems_summary(report),
-                                f"fix those lines (`ptbr validate-data {path}` lists every problem)"))
+                                fix_of([report], f"fix those lines (`ptbr validate-data {path}` lists every problem)")))
             continue
         message = f"{path}: {count} {report.schema} examples"
         if tokenizer is not None:

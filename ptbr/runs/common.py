@@ -66,6 +66,21 @@ def create_run_dir(output: str) -> Path:
     return run_dir
 
 
+def refuse_an_input_as_output(settings) -> None:
+    """The run's --output may not be the directory of its --data, --valid or --base: the run's
+    files would mix with the data or the model (and starting over would move files there)."""
+    output = Path(settings.output).expanduser().resolve()
+    for flag in ("data", "valid", "base"):
+        value = getattr(settings, flag, None)
+        source = Path(value).expanduser() if value else None
+        if source is None or not source.exists():
+            continue
+        folder = source.resolve() if source.is_dir() else source.resolve().parent
+        if folder == output:
+            raise OutputError(f"--output is the directory of --{flag} {value}", str(settings.output),
+                              "give the run a directory of its own with --output (e.g. runs/NAME)")
+
+
 @contextmanager
 def closing_world(world: World) -> Iterator[World]:
     """Close a data-parallel run's world (destroy its process group, whose threads would otherwise
@@ -91,6 +106,7 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
     main rank does all of this and the other ranks wait for it (and fail with it)."""
     if settings.tensorboard:
         require_tensorboard()  # before anything is written or built
+    refuse_an_input_as_output(settings)
     world = world or SingleProcess()
     held: dict = {}
 
@@ -236,8 +252,17 @@ def identity_problems(recorded: dict | None, requested: dict) -> list[str]:
         kinds = {"pretrain": "a pretraining (ptbr train)", "finetune": "a fine-tuning (ptbr finetune)"}
         return [f"it is {kinds.get(recorded.get('mode'), repr(recorded.get('mode')))} checkpoint and this is "
                 f"{kinds.get(requested['mode'], requested['mode'])} run"]
-    return [f"{key} is {recorded.get(key)!r} in the checkpoint, {requested.get(key)!r} now" for key in requested
+    return [f"{key} is {recorded.get(key)!r} in the checkpoint, {requested.get(key)!r} now"
+            + IDENTITY_HINTS.get(key, "") for key in requested
             if key != "mode" and recorded.get(key) != requested.get(key)]
+
+
+# what a fingerprint in a run's identity covers, for the line that says it differs
+IDENTITY_HINTS = {
+    "train_data": " (the training data as encoded: its files or tokenizer changed, or, fine-tuning, the chat "
+                  "template, --max-seq-len or --drop-long)",
+    "base_files": " (the base model's files changed)",
+}
 
 
 def schedule_problems(schedule: Schedule, settings) -> list[str]:

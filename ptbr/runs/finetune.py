@@ -24,7 +24,7 @@ from ptbr.finetune.base import (
     read_config,
 )
 from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
-from ptbr.finetune.data import JsonlReport, data_paths, inspect_pair, problems_summary
+from ptbr.finetune.data import JsonlReport, data_paths, fix_of, inspect_pair, problems_summary
 from ptbr.log import log
 from ptbr.memory import Architecture
 from ptbr.runs.common import (
@@ -108,7 +108,7 @@ def load_data(settings: FinetuneConfig, tokenizer,
     failed = [r for r in reports if not r.ok]
     if failed:
         raise DataError("; ".join(problems_summary(r) for r in failed), str(settings.data),
-                        "fix those lines (`ptbr validate-data FILE.jsonl` lists every problem)")
+                        fix_of(failed, "fix those lines (`ptbr validate-data FILE.jsonl` lists every problem)"))
     return reports[0], (reports[1] if len(reports) > 1 else None)
 
 

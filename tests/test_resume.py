@@ -148,6 +148,15 @@ def test_a_named_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert line.startswith("error: the checkpoint is corrupt: optimizer.pt does not match") and "weights_only" not in line
 
 
+def test_a_mistyped_resume_keyword_is_a_setting_error_not_a_missing_checkpoint(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert train(tmp_path / "run", "--max-steps", "1", "--resume", "nevr") == 2
+    assert last_error(capsys) == ("error: --resume nevr: no such checkpoint, and not auto or never (--resume); "
+                                  "fix: did you mean --resume never?")
+    assert train(tmp_path / "run", "--max-steps", "1", "--resume", "runs/x/checkpoints/step_000002") == 4
+    assert last_error(capsys).startswith("error: checkpoint not found (runs/x/checkpoints/step_000002)")
+
+
 def test_a_checkpoint_that_cannot_be_loaded_never_suggests_unsafe_loading(tmp_path, capsys):
     """A state file with the right hash but not a tensor file (written by something else): one line,
     exit 4, and never torch's advice to load with weights_only=False."""

@@ -284,6 +284,12 @@ def test_a_val_bin_shorter_than_a_window_is_a_warning_that_says_why(tmp_path, da
                  "--seq-len", str(seq_len), "--max-steps", "1", "--device", "cpu"]) == 0
     assert (f"warning: no validation: val.bin holds {seq_len} tokens, fewer than seq_len + 1 = {seq_len + 1} "
             f"({dataset_dir / 'val.bin'}); training without evaluation") in capsys.readouterr().err
+    # and `ptbr info` says so before any run (at the --seq-len given, or train's default)
+    assert main(["info", "--data", str(dataset_dir), "--seq-len", str(seq_len)]) == 0
+    assert (f"warning    val.bin holds {seq_len} tokens, fewer than seq_len + 1 = {seq_len + 1}: training at "
+            f"--seq-len {seq_len} will not evaluate") in capsys.readouterr().out
+    assert main(["info", "--data", str(dataset_dir), "--seq-len", str(seq_len - 1)]) == 0
+    assert "will not evaluate" not in capsys.readouterr().out
 
 
 def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, capsys):

@@ -205,6 +205,13 @@ def _find_resume(run_dir: Path, settings, identity: dict) -> Resume:
             return Resume()
     else:
         path = Path(settings.resume).expanduser()
+        if not path.exists():
+            import difflib
+
+            meant = difflib.get_close_matches(settings.resume, ["auto", "never"], n=1, cutoff=0.6)
+            if meant:  # a keyword mistyped, not a checkpoint that went missing
+                raise ConfigError(f"--resume {settings.resume}: no such checkpoint, and not auto or never",
+                                  "--resume", f"did you mean --resume {meant[0]}?")
         if not path.is_dir():
             raise ModelError("checkpoint not found", str(path),
                              "give a checkpoints/step_NNNNNN directory, or --resume auto or never")

@@ -185,6 +185,19 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def telling_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message in one line: its first line, and where that only announces a list
+    ("Error(s) in loading state_dict for X:", "... contains incompatible tensors:") the list's first
+    entry and how many more there are."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    line = lines[0]
+    if line.endswith(":") and len(lines) > 1:
+        line += f" {lines[1]}" + (f" (and {len(lines) - 2} more)" if len(lines) > 2 else "")
+    return line[:limit]
+
+
 def fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -491,6 +491,19 @@ LORA_ALL = ("q", "k", "v", "o", "gate", "up", "down")
 MLX_LAYER_WORKING = 2
 
 
+MLX_SHORTEST_BUCKET = 32
+
+
+def mlx_bucket_length(length: int, longest: int) -> int:
+    """The length the MLX backend pads a micro-batch of `length` tokens to (ptbr/backends/mlx/step.py):
+    the next power of two from 32, capped at the run's longest sequence (a bucket of its own);
+    each new shape is a new compilation. The memory model plans with these shapes."""
+    padded = MLX_SHORTEST_BUCKET
+    while padded < length:
+        padded *= 2
+    return max(length, min(padded, longest))
+
+
 def mlx_quant_bytes(bits: int, compute: int) -> float:
     """Bytes per weight of MLX's affine quantization: the packed bits, and a scale and a bias per
     group of 64 in the compute dtype."""
@@ -531,7 +544,8 @@ def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, preci
     Two moments of a step can be the peak:
       backward   = weights + optimizer + gradients + every layer's saved activations (with
                    checkpointing: each layer's input) + one layer's backward working set + the
-                   fp32 logits, their exponentials and their gradient (3 x 4 B per vocabulary entry)
+                   fp32 logits, their exponentials and their gradient (3 x 4 B per vocabulary entry;
+                   in bf16/fp16 also the 16-bit logits and their 16-bit gradient: 16 B)
       update     = weights + optimizer + gradients + one group's new weights, AdamW state and
                    clipped gradients (MLX writes them to fresh buffers before the old ones are
                    freed; ptbr's AdamW updates one decoder layer, then the rest, at a time)
@@ -565,7 +579,10 @@ def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, preci
     else:
         activations = arch.num_layers * (per_layer + adapters) * tokens
         working = MLX_LAYER_WORKING * per_layer * tokens
-    logits = 3 * 4 * tokens * arch.vocab_size
+    # fp32 logits, their exponentials and their gradient; in 16 bits also the logits as the output
+    # layer made them and their gradient cast back for its backward pass (measured on mlx[cpu]:
+    # 12.0 and 16.0 bytes per entry at vocabulary 32,000)
+    logits = (3 * 4 + (2 * compute if compute < 4 else 0)) * tokens * arch.vocab_size
     resident = weights + 8 * trainable + 4 * trainable + overhead  # + AdamW state + gradients
     if lora:  # the adapters of one layer
         group = trainable // arch.num_layers

@@ -126,7 +126,7 @@ def test_compile_is_refused_in_one_line_where_it_cannot_run(tmp_path, capsys, mo
 
     assert refused("--backend", "mlx") == (
         "error: --compile: a torch backend option (the MLX backend always compiles its step) (--backend mlx); "
-        "fix: leave these options out with --backend mlx (it trains in one process), or use --backend torch")
+        "fix: leave these torch options out with --backend mlx, or use --backend torch")
     # refused before any worker is started
     assert refused("--num-processes", "2", "--device", "cpu") == (
         "error: --compile: a run of 2 data-parallel processes (--compile is tested in one process only); "

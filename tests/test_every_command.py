@@ -208,6 +208,8 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
     shutil.copy(toy.data / "valid.jsonl", only_valid)
 
     finetune = ["finetune", "--quant", "none", "--max-steps", "1", "--output"]
+    (tmp_path / "m-run" / "merged").mkdir(parents=True)  # a run directory whose model is merged/
+    shutil.copy(toy.base / "config.json", tmp_path / "m-run" / "merged")
     cases = [Case(finetune + [str(tmp_path / f"f-{key}"), "--base", str(path), "--data", str(toy.data)], 4, "")
              for key, path in bases.items() if not key.startswith("tokenizer")]
     cases += [Case(["validate-data", str(toy.data), "--base", str(path)], 4, "") for key, path in bases.items()
@@ -254,6 +256,8 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         Case(["generate", "Oi", "--model", str(toy.base), "--seed", "-5"], 2, "seed"),
         Case(["generate", "Oi", "--model", str(bases["model.safetensors:random"])], 4, ""),
         Case(["generate", "Oi", "--model", str(adapter_run / "checkpoints" / "step_000001")], 4, ""),
+        Case(["generate", "Oi", "--model", str(tmp_path / "m-run")], 4,
+             f"fix: this is a run's directory: give its model, {tmp_path / 'm-run' / 'merged'}"),
         Case(["generate", "Oi", "--model", str(adapter)], 4,
              f"fix: this is a LoRA adapter: give its base model, and the adapter apart (--model {toy.base} --adapter "
              f"{adapter} for generate"),
@@ -268,7 +272,7 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
                    f"({tmp_path / 'wider-mlx'}); fix: give the base"),
               # the line names the tensor that does not fit (torch's first line only says "Error(s) in loading")
               Case(["merge", "--base", str(toy.base), "--adapter", str(tmp_path / "wider-mlx"), "--output",
-                    str(tmp_path / "m-wider")], 4, "the adapter does not fit this base model: size mismatch for ")]
+                    str(tmp_path / "m-wider")], 4, "state_dict for PeftModelForCausalLM: size mismatch for base_model.")]
     for case in cases:
         assert_refused(capsys, main(case.args), case.code, case.says, case.args)
 

@@ -229,8 +229,9 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
         return err
 
     err = refused(["--owner", "Ptbr Tester", "--slug", "tiny", "--title", "abc", "--env", "KAGGLE_KEY=x",
-                   "--env", "HF_TOKEN=y", "--env", "nonsense", "--stop-after-hours", "13"], 2)
-    assert "7 problems" in err and "--owner" in err and "--slug 'tiny'" in err and "--title 'abc'" in err
+                   "--env", "HF_TOKEN=y", "--env", "nonsense", "--stop-after-hours", "13", "--python-version", "3.9"], 2)
+    assert "--python-version 3.9: ptbr needs Python 3.10 or newer" in err
+    assert "8 problems" in err and "--owner" in err and "--slug 'tiny'" in err and "--title 'abc'" in err
     assert "--env KAGGLE_KEY: a bundle holds no credentials" in err and "--env HF_TOKEN" in err
     assert "--env 'nonsense' is not NAME=VALUE" in err and "--stop-after-hours must be within (0, 12]" in err
     config = tmp_path / "run.yaml"
@@ -240,11 +241,17 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
     config.write_text("device: mps\nbackend: mlx\n")
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
     assert "device 'mps' is not on Kaggle" in err and "backend 'mlx' is not on Kaggle" in err
+    config.write_text("precision: bf16\nnum_processes: '4'\n")  # what Kaggle's two T4s cannot run
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
+    assert "precision 'bf16' is not on Kaggle's T4s" in err and "num_processes 4 is more than Kaggle's 2 GPUs" in err
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(toy.data)], 2)
     assert "fine-tuning needs --base" in err
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(toy.data),
                    "--base", "mistralai/Mistral-7B-v0.1"], 4)
     assert "no internet" in err and "kaggle:OWNER/MODEL/FRAMEWORK/VARIATION" in err
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(toy.data),
+                   "--base", "kaggle:mistral-ai/mistral"], 4)
+    assert "error: not a Kaggle model reference: it needs four parts after kaggle: (kaggle:mistral-ai/mistral)" in err
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "a", "completion": "b"}\nnot json\n')
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(broken),
@@ -256,6 +263,28 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
     (tmp_path / "b" / "notes.txt").write_text("mine")
     assert main(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", USERNAME, "--slug", SLUG]) == 6
     assert "is not a bundle" in capsys.readouterr().err and (tmp_path / "b" / "notes.txt").read_text() == "mine"
+
+
+def test_a_previous_bundle_holding_files_of_yours_is_not_replaced(tiny_bundle, tmp_path, capsys):
+    """A bundle is replaced whole: notes put in its folder, or a run fetched into it, would go too."""
+    from ptbr.kaggle.bundle import not_of_the_bundle
+
+    assert not_of_the_bundle(tiny_bundle) == []
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, copy)
+    (copy / "NOTES.txt").write_text("mine")
+    (copy / "out" / "run").mkdir(parents=True)
+    (copy / "out" / "run" / "model.safetensors").write_bytes(b"weights")
+    (copy / "dataset" / "my-readme.md").write_text("mine")
+    assert main(["kaggle", "bundle", "--output", str(copy), "--owner", USERNAME, "--slug", SLUG]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: the previous bundle there holds files it did not write (NOTES.txt, dataset/my-readme.md, "
+        f"out/run/model.safetensors): the new bundle would replace them ({copy}); fix: move them out of the "
+        "folder, or give another --output")
+    assert (copy / "NOTES.txt").read_text() == "mine" and (copy / "out" / "run" / "model.safetensors").is_file()
+    # nor does fetching a kernel's outputs replace a folder of other files (refused before connecting)
+    assert main(["kaggle", "output", str(tiny_bundle), "--path", str(copy)]) == 6
+    assert "the download folder holds something other than a previous download" in capsys.readouterr().err
 
 
 # --- push, status and output through the real client -------------------------------------------------------

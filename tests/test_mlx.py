@@ -211,17 +211,26 @@ def quantized_base(toy, tmp_path_factory):
 @pytest.mark.parametrize("quant", ["none", "4bit"])
 def test_finetune_learns_and_the_adapter_loads_in_mlx_lm_and_in_peft(toy, quantized_base, tmp_path, quant):
     mlx_lm = load_mlx_lm()
+    import gc
+
+    import mlx.core as mx
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from ptbr.runs.finetune import run_finetune
 
+    gc.collect()
+    held = mx.get_active_memory()  # arrays of earlier tests in this process, counted in the run's peak
     result = run_finetune(settings(toy, tmp_path / "out", quant=quant, epochs=8, eval_every=0))
     summary = result.summary
     assert summary["backend"] == "mlx" and summary["steps"] == 40 and summary["trainable_parameters"] == 16384
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows]
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
+    # the predicted peak is of the shapes MLX pads micro-batches to (a power of two from 32)
+    predicted = json.loads((tmp_path / "out" / "run_config.json").read_text())["predicted_peak_bytes"]
+    assert 0.85 < (max(row["mem_bytes"] for row in rows) - held) / predicted < 1.15
     adapters = tmp_path / "out" / "adapters"
     config = json.loads((adapters / "adapter_config.json").read_text())
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2

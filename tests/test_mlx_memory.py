@@ -63,8 +63,8 @@ def test_mistral_7b_qlora_on_macs():
 
     weights = estimate_mlx_memory(arch, 1, 1, "bf16", 16, 4).weights / GIB
     assert weights == pytest.approx(3.95, abs=0.01)  # 7.24 B parameters at 4.5 bits (+ fp32 adapters)
-    assert peak(1, 1024, True) == pytest.approx(6.33, abs=0.01)
-    assert peak(2, 1024, True) == pytest.approx(7.74, abs=0.01)
-    assert peak(8, 1024, True) == pytest.approx(16.2, abs=0.01)
-    assert peak(1, 1024, False) == pytest.approx(22.12, abs=0.01)  # checkpointing is what fits 16 GB
-    assert peak(1, 2048, True) == pytest.approx(8.24, abs=0.01)
+    assert peak(1, 1024, True) == pytest.approx(6.45, abs=0.01)
+    assert peak(2, 1024, True) == pytest.approx(7.98, abs=0.01)
+    assert peak(8, 1024, True) == pytest.approx(17.17, abs=0.01)
+    assert peak(1, 1024, False) == pytest.approx(22.24, abs=0.01)  # checkpointing is what fits 16 GB
+    assert peak(1, 2048, True) == pytest.approx(8.48, abs=0.01)

@@ -97,11 +97,11 @@ PRETRAIN_EXPECTED = {  # with the chunked loss (the default): 85m fits twice the
     ("2xt4", "400m"): (4, 4, 1024, False), ("2xt4", "800m"): (16, 1, 1024, True),
     ("h100", "tiny"): (32, 1, 512, False), ("h100", "85m"): (32, 1, 1024, False),
     ("h100", "400m"): (32, 1, 1024, False), ("h100", "800m"): (16, 2, 1024, False),
-    ("mac8", "tiny"): (16, 2, 512, False), ("mac8", "85m"): (2, 16, 1024, False),
+    ("mac8", "tiny"): (8, 4, 512, False), ("mac8", "85m"): (2, 16, 1024, False),
     ("mac8", "400m"): None, ("mac8", "800m"): None,  # 16 B per parameter alone exceed Metal's 5.3 GiB
     # Apple Silicon plans for the MLX backend (its estimate: benchmarks/mlx_memory_accuracy.py)
     ("mac16", "tiny"): (32, 1, 512, False), ("mac16", "85m"): (4, 8, 1024, False),
-    ("mac16", "400m"): (4, 8, 1024, True), ("mac16", "800m"): None,
+    ("mac16", "400m"): (2, 16, 1024, True), ("mac16", "800m"): None,
     ("mac32", "tiny"): (32, 1, 512, False), ("mac32", "85m"): (8, 4, 1024, False),
     ("mac32", "400m"): (4, 8, 1024, False), ("mac32", "800m"): (1, 32, 1024, False),
     ("cpu24", "tiny"): (32, 1, 512, False), ("cpu24", "85m"): (16, 2, 1024, False),
@@ -148,6 +148,18 @@ def test_mistral_7b_qlora_recommendation(machine):
     if machine == "mac16":
         assert rec.target == "mlx"  # fine-tuning on Apple Silicon: MLX's 4-bit
         assert rec.estimate.quant == "mlx4"
+
+
+def test_backend_mlx_plans_for_mlx_on_any_machine_and_for_its_cpu_off_a_mac():
+    """--backend mlx on Linux runs MLX's CPU build (fp32, its 4-bit base, RAM): the plan must be
+    that run's, not torch's on the CPU (bitsandbytes' nf4) nor a Mac's (bf16, Metal)."""
+    arch = Architecture.from_hf_config(MISTRAL_7B)
+    asked = dataclasses.replace(qlora_request(), backend="mlx")
+    rec = recommend(MACHINES["cpu24"], asked, arch, max_positions=MISTRAL_7B["max_position_embeddings"], examples=848)
+    assert rec.target == "mlx" and rec.estimate.quant == "mlx4" and rec.settings.precision == "fp32"
+    assert any("MLX on the CPU" in r for r in rec.reasons) and not any("Apple Silicon" in r for r in rec.reasons)
+    rec = recommend(MACHINES["mac16"], asked, arch, max_positions=MISTRAL_7B["max_position_embeddings"], examples=848)
+    assert rec.target == "mlx" and rec.settings.precision == "bf16"
 
 
 def test_t4_gets_fp16_and_two_t4s_train_on_both():

@@ -58,8 +58,12 @@ def refuse_torch_options_on_mlx(settings, inside: str | None) -> None:
     if inside and inside != "1":
         problems.append(f"started as one of {inside} processes (torchrun / accelerate launch): the MLX backend "
                         "trains in one")
-    collect(problems, ConfigError, "--backend mlx",
-            "leave these options out with --backend mlx (it trains in one process), or use --backend torch")
+    fix = "use --backend torch"
+    if len(problems) > (1 if inside and inside != "1" else 0):  # an option given, not only a launcher
+        fix = "leave these torch options out with --backend mlx, or use --backend torch"
+    if inside and inside != "1":
+        fix += ", or start the MLX backend as one process (`ptbr ...`, not torchrun or accelerate launch)"
+    collect(problems, ConfigError, "--backend mlx", fix)
 
 
 def run_or_launch(settings, args: argparse.Namespace, run) -> int:

@@ -50,6 +50,9 @@ def check_base(base: str, download: bool = False, what: str = "base model") -> N
                              "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
         if not (path / "config.json").is_file():
             fix = "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
+            for inside in ("final", "merged"):  # a run's directory: its model is inside
+                if (path / inside / "config.json").is_file():
+                    fix = f"this is a run's directory: give its model, {path / inside}"
             if (path / "adapter_config.json").is_file():  # the adapters/ of a fine-tuning run
                 named = _adapter_base(path)
                 fix = (f"this is a LoRA adapter: give its base model, and the adapter apart (--model "

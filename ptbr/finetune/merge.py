@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ptbr.backends.torch.lora import refuse_prequantized
 from ptbr.errors import ConfigError, ModelError
-from ptbr.files import write_directory
+from ptbr.files import telling_line, write_directory
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, check_merge_output, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
 from ptbr.finetune.export import adapter_as, adapter_format
@@ -76,11 +76,7 @@ def apply_adapter(model, adapter: Path):
     try:
         return PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - peft raises many kinds; all mean "this adapter cannot be used here"
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        # torch's first line only says "Error(s) in loading state_dict": the line that names a tensor
-        telling = next((line for line in lines if line.startswith(("size mismatch", "Missing key", "Unexpected key"))),
-                       lines[0] if lines else type(exc).__name__)
-        reason = telling[:300]
+        reason = telling_line(exc)  # torch's first line only says "Error(s) in loading state_dict for X:"
         if "size mismatch" in str(exc) or "shape" in str(exc).lower() or "Missing key" in str(exc):
             raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
                              "give the base model the adapter was trained on (its ptbr_adapter.json names it)") from exc

@@ -62,6 +62,7 @@ LOCAL_PATHS = ("data", "valid", "tokenizer", "base", "output", "resume")
 # What Kaggle's kernels can use: CUDA (or the CPU), through torch.
 KAGGLE_DEVICES = ("auto", "cuda", "cpu")
 KAGGLE_BACKENDS = ("auto", "torch")
+KAGGLE_GPUS = 2  # the T4 x 2 machine the kernel asks for
 # Never bundled: Kaggle's image ships a CUDA build of torch, with the libraries only it needs.
 LEFT_TO_KAGGLE = "torch"
 # The platform pyproject's markers are read for: Kaggle's machines.
@@ -85,6 +86,11 @@ def make_bundle(settings: BundleSettings) -> Path:
     if output.exists() and not is_bundle(output) and (not output.is_dir() or any(output.iterdir())):
         raise OutputError("the output exists and is not a bundle: it would be replaced", str(output),
                           "give a new folder (or a previous bundle's) with --output")
+    others = not_of_the_bundle(output) if output.exists() and is_bundle(output) else []
+    if others:
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+        raise OutputError(f"the previous bundle there holds files it did not write ({shown}): the new bundle "
+                          "would replace them", str(output), "move them out of the folder, or give another --output")
     plan = plan_contents(settings)
     root = checkout_root()
     build = load_build_script(root)
@@ -100,6 +106,20 @@ def make_bundle(settings: BundleSettings) -> Path:
     log(f"bundle {settings.id} ({settings.mode}) written to {output}: {size / 1e6:.1f} MB to upload")
     log(f"next: ptbr kaggle push {output}")
     return output
+
+
+def not_of_the_bundle(output: Path) -> list[str]:
+    """Files in a previous bundle's folder that it did not write (a user's notes, a run fetched
+    into it): its marker lists every file of the dataset, the kernel folder holds two."""
+    try:
+        listed = json.loads((output / DATASET / BUNDLE_MARKER).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = {}
+    written = {f"{DATASET}/{name}" for name in listed} | {
+        f"{DATASET}/{BUNDLE_MARKER}", f"{DATASET}/{DATASET_METADATA}", f"{KERNEL}/{KERNEL_METADATA}",
+        f"{KERNEL}/{KERNEL_FILE}"}
+    found = (path.relative_to(output).as_posix() for path in output.rglob("*") if path.is_file() or path.is_symlink())
+    return sorted(name for name in found if name not in written)
 
 
 # --- what goes in ------------------------------------------------------------------------------------
@@ -127,6 +147,14 @@ def plan_contents(settings: BundleSettings) -> Plan:
         problems.append(f"device {checked.device!r} is not on Kaggle (use {', '.join(KAGGLE_DEVICES)})")
     if checked.backend not in KAGGLE_BACKENDS:
         problems.append(f"backend {checked.backend!r} is not on Kaggle (use {', '.join(KAGGLE_BACKENDS)})")
+    # the kernel asks for Kaggle's T4 x 2 (kernel-metadata.json): what those GPUs cannot run would
+    # fail only there, after the session started
+    if checked.precision == "bf16":
+        problems.append("precision 'bf16' is not on Kaggle's T4s (no native bf16): leave precision auto (fp16 "
+                        "with a loss scaler there) or give fp16 or fp32")
+    if str(checked.num_processes).isdigit() and int(checked.num_processes) > KAGGLE_GPUS:
+        problems.append(f"num_processes {checked.num_processes} is more than Kaggle's {KAGGLE_GPUS} GPUs: give "
+                        f"auto (one per GPU), or {KAGGLE_GPUS} or fewer")
     data = settings.data or file_values.get("data")
     if settings.mode == "finetune" and not data:
         problems.append("fine-tuning needs --data (train.jsonl, or a directory with train.jsonl and valid.jsonl)")
@@ -183,6 +211,10 @@ def base_model(base: str) -> tuple[dict, dict[str, Path]]:
     hosted = KAGGLE_MODEL.match(base)
     if hosted:
         return {"kaggle": "/".join(part for part in hosted.groups() if part)}, {}
+    if base.startswith("kaggle:"):
+        raise ModelError("not a Kaggle model reference: it needs four parts after kaggle:", base,
+                         "give kaggle:OWNER/MODEL/FRAMEWORK/VARIATION[/VERSION], as the model's page on Kaggle "
+                         "names it")
     if not Path(base).expanduser().exists():
         raise ModelError("base model directory not found (a Kaggle kernel has no internet: a Hugging Face Hub id "
                          "cannot be downloaded there)", base,

@@ -46,7 +46,8 @@ TITLE_LENGTH = (6, 50)
 KAGGLE_MODEL = re.compile(r"^kaggle:([^/\s]+)/([^/\s]+)/([^/\s]+)/([^/\s]+)(?:/(\d+))?$")
 
 
-def id_problems(owner: str, slug: str, title: str) -> list[str]:
+def id_problems(owner: str, slug: str, title: str | None) -> list[str]:
+    """Kaggle's rules for the ids and the title (None: the slug is the title)."""
     problems = []
     if not OWNER.match(owner or ""):
         problems.append(f"--owner {owner!r} is not a Kaggle username (lowercase letters, digits, - and _)")
@@ -55,7 +56,11 @@ def id_problems(owner: str, slug: str, title: str) -> list[str]:
         problems.append(f"--slug {slug!r} must be {low}-{high} lowercase letters, digits and single hyphens "
                         "(Kaggle's rule for dataset ids)")
     low, high = TITLE_LENGTH
-    if not low <= len(title or "") <= high:
+    if title is None:  # the slug is the title: said once, where the slug itself is fine
+        if not any(p.startswith("--slug") for p in problems) and not low <= len(slug or "") <= high:
+            problems.append(f"--slug {slug!r} is also the title (no --title given), which must be {low}-{high} "
+                            "characters (Kaggle's rule for dataset titles): give a --title")
+    elif not low <= len(title) <= high:
         problems.append(f"--title {title!r} must be {low}-{high} characters (Kaggle's rule for dataset titles)")
     return problems
 

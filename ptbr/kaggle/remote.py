@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from ptbr.errors import ConfigError, KaggleError
+from ptbr.errors import ConfigError, KaggleError, OutputError
 from ptbr.files import read_json, write_directory, write_json
 from ptbr.kaggle.client import call, connect, username
 from ptbr.kaggle.layout import (
@@ -267,7 +267,7 @@ def output(path: str, target: str, pattern: str | None = None) -> Path:
     if destination.exists() and (not destination.is_dir() or (
             any(destination.iterdir()) and not (destination / RUN_MARKER).is_file()
             and not (destination / log_name).is_file())):
-        raise ConfigError("the download folder holds something other than a previous download of this kernel's "
+        raise OutputError("the download folder holds something other than a previous download of this kernel's "
                           "outputs: it would be replaced", str(destination), "give a new or empty folder with --path")
     api = connect()
     counted: list[int] = []

@@ -37,7 +37,7 @@ class BundleSettings:
         return f"{self.owner}/{self.slug}"
 
     def problems(self) -> list[str]:
-        found = id_problems(self.owner, self.slug, self.title or self.slug)
+        found = id_problems(self.owner, self.slug, self.title)
         # "" is no path (Path("") is the current directory, and an empty --data would mean the sample)
         for flag, value in (("--output", self.output), ("--data", self.data), ("--config", self.config),
                             ("--base", self.base)):
@@ -48,6 +48,9 @@ class BundleSettings:
         if not re.match(r"^3\.\d+$", self.python_version or ""):
             found.append(f"--python-version must be a CPython version such as {KAGGLE_PYTHON}, got "
                          f"{self.python_version!r}")
+        elif int(self.python_version.split(".")[1]) < 10:  # pyproject.toml's requires-python
+            found.append(f"--python-version {self.python_version}: ptbr needs Python 3.10 or newer (Kaggle's image "
+                         f"has {KAGGLE_PYTHON})")
         if not (isinstance(self.stop_after_hours, (int, float)) and math.isfinite(self.stop_after_hours)
                 and 0 < self.stop_after_hours <= 12):
             found.append(f"--stop-after-hours must be within (0, 12] (Kaggle's GPU sessions end after 12 h), got "

@@ -102,7 +102,7 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
 
     checks += check_packages(mode, target, quant, versions) + check_compile_request(settings, target, hardware)
     if target == "mlx":
-        checks += check_mlx_backend()
+        checks += check_mlx_backend(hardware.apple_silicon)
 
     recommendation = None
     if arch is not None:

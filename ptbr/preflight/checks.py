@@ -107,13 +107,14 @@ def check_compile_request(settings, target: str, hardware: Hardware) -> list[Che
                   "for tens of seconds)")]
 
 
-def check_mlx_backend() -> list[Check]:
-    """On Apple Silicon the plan is for the MLX backend (`--backend mlx`, auto's choice there): say
-    whether this environment can run it."""
+def check_mlx_backend(apple_silicon: bool = True) -> list[Check]:
+    """On Apple Silicon the plan is for the MLX backend (`--backend mlx`, auto's choice there; and
+    anywhere --backend mlx asks for it): say whether this environment can run it."""
     from importlib.util import find_spec
 
     if find_spec("mlx") is not None and find_spec("mlx_lm") is not None:
-        return [Check("backend.mlx", PASS, True, "runs on MLX (--backend mlx): the Metal GPU, MLX's 4-bit base for "
+        where = "the Metal GPU" if apple_silicon else "the CPU (mlx[cpu]: slow, for testing)"
+        return [Check("backend.mlx", PASS, True, f"runs on MLX (--backend mlx): {where}, MLX's 4-bit base for "
                       "--quant 4bit, LoRA adapters in mlx-lm's format")]
     return [Check("backend.mlx", WARN, False, "the plan is for the MLX backend, and mlx or mlx-lm is not installed: "
                   "ptbr would run on torch (MPS), where bitsandbytes' 4/8-bit does not",

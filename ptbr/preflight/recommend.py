@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ptbr.config import FinetuneConfig, LoopSettings
-from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run
+from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run, mlx_bucket_length
 from ptbr.precision import auto_precision
 from ptbr.preflight.hardware import Hardware
 
@@ -75,7 +75,9 @@ def seq_key(mode: str) -> str:
 
 def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "auto") -> str:
     """On Apple Silicon both modes plan for the MLX backend (what --backend auto runs there), unless
-    --backend torch asks for MPS."""
+    --backend torch asks for MPS; --backend mlx plans for MLX anywhere (on Linux, its CPU build)."""
+    if backend == "mlx":
+        return "mlx"
     if device == "cuda" or (device == "auto" and hardware.gpus):
         return "cuda"
     if device == "mps" or (device == "auto" and hardware.apple_silicon):
@@ -103,6 +105,9 @@ def choose_precision(hardware: Hardware, target: str, requested: str, reasons: l
     if requested == "auto":
         if target == "cuda":  # --device cuda on a machine without a GPU (the checks fail on it)
             return "fp32"
+        if target == "mlx" and not hardware.apple_silicon:  # mlx[cpu]: the MLX backend's auto is fp32 there
+            reasons.append("precision fp32: MLX on the CPU computes in fp32")
+            return "fp32"
         chosen = auto_precision(target, target == "cpu" and hardware.cpu_bf16, mode == "pretrain")
         if target == "cpu" and chosen == "bf16":
             reasons.append("precision bf16 (autocast, fp32 weights): this CPU computes bf16 natively (AVX512-BF16 or "
@@ -124,7 +129,7 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:
         return budget
     fraction = USABLE_FRACTION.get(target, USABLE_FRACTION["cpu"])
     budget = int(fraction * hardware.ram_available)
-    if target in ("mps", "mlx"):
+    if target in ("mps", "mlx") and hardware.apple_silicon:
         limit = hardware.metal_working_set or int(METAL_SHARE * (hardware.unified_memory or hardware.ram_total))
         if limit < budget:
             reasons.append(f"Apple Silicon: Metal's working-set limit {gib(limit)} is below {fraction:.0%} of the "
@@ -134,8 +139,8 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:
             reasons.append(f"Apple Silicon, {gib(hardware.ram_available)} of {gib(hardware.ram_total)} unified "
                            f"memory available, planning for {gib(budget)}")
     else:
-        reasons.append(f"no GPU: {gib(hardware.ram_available)} of {gib(hardware.ram_total)} RAM available, "
-                       f"planning for {gib(budget)} ({fraction:.0%})")
+        reasons.append(f"{'MLX on the CPU' if target == 'mlx' else 'no GPU'}: {gib(hardware.ram_available)} of "
+                       f"{gib(hardware.ram_total)} RAM available, planning for {gib(budget)} ({fraction:.0%})")
     return budget
 
 
@@ -165,7 +170,10 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
     planned = cap
     if longest and longest < cap:
         planned = longest
-        reasons.append(f"memory planned for the longest example, {longest} tokens ({key} {cap} is only a cap)")
+        if target == "mlx":  # MLX pads a micro-batch to a bucket's length (a power of two from 32)
+            planned = mlx_bucket_length(longest, cap)
+        reasons.append(f"memory planned for the longest example, {longest} tokens"
+                       + (f" (MLX pads it to {planned})" if planned != longest else "") + f" ({key} {cap} is only a cap)")
 
     sharding = {"fsdp": requested.fsdp if processes > 1 else False}
 

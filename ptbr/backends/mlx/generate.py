@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ModelError
+from ptbr.files import telling_line
 
 
 def load_for_generation(model_dir: Path, adapter: Path | None):
@@ -26,7 +27,7 @@ def load_for_generation(model_dir: Path, adapter: Path | None):
         try:
             load_adapters(model, str(adapter))
         except Exception as exc:  # noqa: BLE001 - a shape or name mismatch: the adapter is for another base
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = telling_line(exc)  # mlx-lm's first line announces a list of tensors
             raise ModelError(f"the adapter does not fit this model: {reason}", str(adapter),
                              "give the --model the adapter was trained on") from exc
     model.eval()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ModelError
+from ptbr.files import telling_line
 
 SHARD_BYTES = 5 * 1024**3  # transformers' default shard size
 
@@ -40,7 +41,7 @@ def merge_into(base: str, adapter: Path, directory: Path, dtype: str, download: 
             model, _ = load_model(path, model_config=rope_settings(config))
         load_adapters(model, str(adapter))
     except Exception as exc:  # noqa: BLE001 - a shape or name mismatch: the adapter is for another base
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = telling_line(exc)  # mlx-lm's first line announces a list of tensors
         raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
                          "give the --base the adapter was trained on") from exc
     fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]

@@ -20,21 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from ptbr.data.batch import IGNORE_INDEX, Batch, StepResult, input_count, target_count
+from ptbr.memory import mlx_bucket_length as bucket_length
 
 WEIGHTS_FILE = {"model": "model.safetensors", "adapter": "adapters.safetensors"}
 CONFIG_FILE = {"model": "config.json", "adapter": "adapter_config.json"}
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.json"
-SHORTEST_BUCKET = 32
-
-
-def bucket_length(length: int, longest: int) -> int:
-    """The padded length of a micro-batch `length` tokens long: the next power of two from 32,
-    capped at the run's longest sequence (which is then a bucket of its own)."""
-    padded = SHORTEST_BUCKET
-    while padded < length:
-        padded *= 2
-    return max(length, min(padded, longest))
 
 
 def pad_batch(batch: Batch, rows: int, longest: int) -> tuple[np.ndarray, np.ndarray]:

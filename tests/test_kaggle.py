@@ -259,6 +259,8 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
     assert "line 2" in err
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--data", str(tmp_path / "missing")], 3)
     assert "data directory not found" in err
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--data", str(toy.data)], 3)  # pretraining, chat data
+    assert "fix: bundle a fine-tuning run with --mode finetune --base BASE" in err
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "notes.txt").write_text("mine")
     assert main(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", USERNAME, "--slug", SLUG]) == 6
@@ -488,7 +490,7 @@ def test_output_downloads_every_file_and_the_log_or_nothing(fake, tiny_bundle, t
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
     run = kaggle(fake, "output", str(tiny_bundle), "--path", str(mine))
-    assert run.returncode == 2 and (mine / "notes.txt").read_text() == "keep"
+    assert run.returncode == 6 and (mine / "notes.txt").read_text() == "keep"  # an output directory that is not ours
 
 
 # --- the kernel, run here ------------------------------------------------------------------------------------

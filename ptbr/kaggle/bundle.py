@@ -180,6 +180,10 @@ def pretrain_data(data: str, tokenizer: str | None) -> dict[str, Path]:
     in data/tokenizer.json, where the kernel's `--data` finds it."""
     from ptbr.data.tokens import open_dataset
 
+    if Path(data).is_dir() and (Path(data) / "train.jsonl").is_file() and not (Path(data) / "train.bin").exists():
+        raise DataError("no train.bin in the data directory: it holds fine-tuning data (train.jsonl)", data,
+                        "bundle a fine-tuning run with --mode finetune --base BASE, or give a dataset `ptbr prepare` "
+                        "wrote")
     dataset = open_dataset(data, tokenizer)
     files = {f"{DATA}/train.bin": dataset.train_path, f"{DATA}/tokenizer.json": dataset.tokenizer_path}
     for name in ("val.bin", "meta.json"):

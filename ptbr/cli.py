@@ -352,10 +352,6 @@ def _command(args) -> int:
     except PtbrError as exc:
         if debug:
             traceback.print_exc()
-        if exc.fix:  # the settings' checks do not know which command they check (a bundle: its mode's)
-            named = ({"pretrain": "train", "finetune": "finetune"}.get(getattr(args, "mode", None), "train")
-                     if args.command == "kaggle" else args.command)
-            exc.fix = exc.fix.replace("`ptbr COMMAND --help`", f"`ptbr {named} --help`")
         print(exc.one_line(), file=sys.stderr, flush=True)
         return exc.exit_code
     except BrokenPipeError:

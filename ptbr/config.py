@@ -92,7 +92,12 @@ PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 BACKENDS = ("auto", "torch", "mlx")
 
 
-SETTINGS_FIX = "correct those values (`ptbr COMMAND --help` lists every setting and its default)"
+def settings_fix(cls: type) -> str:
+    """The fix of a settings error: the command whose --help lists these settings (a Kaggle bundle's
+    or preflight's settings are `ptbr train`'s or `ptbr finetune`'s)."""
+    command = getattr(cls, "command", None)
+    where = f"`ptbr {command} --help`" if command else "--help"
+    return f"correct those values ({where} lists every setting and its default)"
 
 
 # torch, numpy and mlx all take seeds below this
@@ -161,7 +166,7 @@ class LoopSettings:
             self.warmup_steps = default_warmup(self.max_steps)
         if self.learning_rate is None:
             self.learning_rate = self.default_learning_rate()
-        collect(self.problems(), ConfigError, "settings", SETTINGS_FIX)
+        collect(self.problems(), ConfigError, "settings", settings_fix(type(self)))
 
     optional_paths: ClassVar[tuple[str, ...]] = ()  # path settings that may be left out, never given as ""
 
@@ -231,6 +236,7 @@ class PretrainConfig(LoopSettings):
         False, "Compile the model's forward pass and the loss with torch.compile (torch backend, one process, CPU "
         "or CUDA; needs a C/C++ compiler): faster steps after a compile of tens of seconds at the first step.")
     optional_paths: ClassVar[tuple[str, ...]] = ("data", "tokenizer")
+    command: ClassVar[str] = "train"
 
     def default_learning_rate(self) -> float:
         return PRESETS[self.model_size].learning_rate if self.model_size in PRESETS else 3e-4
@@ -291,6 +297,7 @@ class FinetuneConfig(LoopSettings):
     epochs: int = setting(1, "Passes over the training examples (ignored when max_steps is given).")
     merge: bool = setting(False, "At the end, also write OUTPUT/merged: the base with the best adapter merged in.")
     optional_paths: ClassVar[tuple[str, ...]] = ("valid",)
+    command: ClassVar[str] = "finetune"
     trust_remote_code: bool = setting(False, "Allow the base model's own Python code to run (only for models you trust).")
 
     def resolve_steps(self, steps_per_epoch: int) -> FinetuneConfig:
@@ -436,10 +443,10 @@ def build_settings(cls: type, file_values: dict[str, Any] | None = None, overrid
         settings = cls(**values)
     except ConfigError as exc:
         problems.extend(exc.problems)
-    fix = SETTINGS_FIX
+    fix = settings_fix(cls)
     if unknown:
         fix = f"remove or rename the unknown keys (valid keys: {', '.join(sorted(known))})" + (
-            f"; {SETTINGS_FIX}" if len(problems) > sum(p.startswith("unknown key") for p in problems) else "")
+            f"; {fix}" if len(problems) > sum(p.startswith("unknown key") for p in problems) else "")
     collect(problems, ConfigError, source, fix)
     return settings
 

@@ -504,6 +504,12 @@ def mlx_bucket_length(length: int, longest: int) -> int:
     return max(length, min(padded, longest))
 
 
+def padded_length(target: str, longest: int, cap: int) -> int:
+    """The length a fine-tuning micro-batch whose longest example has `longest` tokens runs at on
+    `target`: MLX pads it to a bucket (mlx_bucket_length); torch to the longest example."""
+    return mlx_bucket_length(longest, cap) if target == "mlx" else longest
+
+
 def mlx_quant_bytes(bits: int, compute: int) -> float:
     """Bytes per weight of MLX's affine quantization: the packed bits, and a scale and a bias per
     group of 64 in the compute dtype."""

@@ -55,13 +55,14 @@ def refuse_torch_options_on_mlx(settings, inside: str | None) -> None:
                         "own dropout masks)")
     if getattr(settings, "compile", False):
         problems.append("--compile: a torch backend option (the MLX backend always compiles its step)")
-    if inside and inside != "1":
+    options_given = bool(problems)
+    launched = bool(inside) and inside != "1"
+    if launched:
         problems.append(f"started as one of {inside} processes (torchrun / accelerate launch): the MLX backend "
                         "trains in one")
-    fix = "use --backend torch"
-    if len(problems) > (1 if inside and inside != "1" else 0):  # an option given, not only a launcher
-        fix = "leave these torch options out with --backend mlx, or use --backend torch"
-    if inside and inside != "1":
+    fix = ("leave these torch options out with --backend mlx, or use --backend torch" if options_given
+           else "use --backend torch")
+    if launched:
         fix += ", or start the MLX backend as one process (`ptbr ...`, not torchrun or accelerate launch)"
     collect(problems, ConfigError, "--backend mlx", fix)
 

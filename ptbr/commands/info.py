@@ -48,14 +48,13 @@ def main(args) -> int:
         raise ConfigError("nothing to describe", "ptbr info", "give --data DIR or --model-size NAME")
     report = {}
     if args.data:
-        from ptbr.data.tokens import describe, open_dataset
+        from ptbr.data.tokens import describe, open_dataset, val_too_short
 
         report["data"] = describe(open_dataset(args.data, args.tokenizer))
-        val_tokens = report["data"]["val_tokens"]
-        if 0 < val_tokens < args.seq_len + 1:  # as `ptbr train --seq-len` (its default unless given) reads it
-            report["data"]["warnings"].append(f"val.bin holds {val_tokens} tokens, fewer than seq_len + 1 = "
-                                              f"{args.seq_len + 1}: training at --seq-len {args.seq_len} will not "
-                                              "evaluate")
+        # at the --seq-len given (train's default otherwise), as `ptbr train` would read it
+        short = val_too_short(report["data"]["val_tokens"], args.seq_len)
+        if short:
+            report["data"]["warnings"].append(f"{short}: training at --seq-len {args.seq_len} will not evaluate")
     if args.model_size:
         vocab_size = args.vocab_size
         if vocab_size is None:  # the model a run on this dataset builds has the dataset's vocabulary

@@ -158,6 +158,14 @@ def _read_meta(directory: Path) -> dict | None:
     return meta
 
 
+def val_too_short(val_tokens: int, seq_len: int) -> str | None:
+    """Why a val.bin of `val_tokens` tokens gives no evaluation window at seq_len (None: it does,
+    or there is none)."""
+    if 0 < val_tokens < seq_len + 1:
+        return f"val.bin holds {val_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+    return None
+
+
 def describe(dataset: TokenDataset) -> dict:
     """What `ptbr info --data` prints: sizes, dtype, vocab, max id, problems."""
     info = {

@@ -14,7 +14,6 @@ Three formats, one per file:
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +76,10 @@ class JsonlReport:
     examples: list[Example] = field(default_factory=list)
     longest: int = 0  # tokens of the longest example before truncation
     too_long: int = 0  # examples longer than max_seq_len
+    # problems of length, which no edit of a line fixes (fix_of): nothing left within max_seq_len,
+    # or examples beyond the base's positions (how many it has)
+    nothing_left: bool = False
+    beyond_positions: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -315,7 +318,8 @@ def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_lo
         report.examples.append(Example(record.line, np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool)))
     report.too_long = len(long_lines)
     if report.records and not report.examples and not report.problems:
-        report.problems.append(f"{NOTHING_LEFT} {max_seq_len} (every one was dropped; "
+        report.nothing_left = True
+        report.problems.append(f"no example is left within max_seq_len {max_seq_len} (every one was dropped; "
                                "see the warnings)")
     if long_lines:
         action = ("dropped (--drop-long)" if drop_long else
@@ -368,28 +372,23 @@ def inspect_pair(train_path: Path, valid_path: Path | None, tokenizer=None, max_
         for report in reports:
             long = [e.line for e in report.examples if len(e.ids) > max_positions]
             if long:
+                report.beyond_positions = max_positions
                 report.problems.append(
-                    f"{len(long)} examples are {LONGER_THAN_THE_BASE} {max_positions} positions even after "
+                    f"{len(long)} examples are longer than the base model's {max_positions} positions even after "
                     f"the length policy (lines {_lines(long)}): use --max-seq-len {max_positions} or less")
     return reports
-
-
-NOTHING_LEFT = "no example is left within max_seq_len"
-LONGER_THAN_THE_BASE = "longer than the base model's"
 
 
 def fix_of(reports: list[JsonlReport], lines_fix: str) -> str:
     """The fix for these files' problems: `lines_fix` for problems in lines, and what to give
     --max-seq-len when a problem is about lengths (which no edit of a line would fix)."""
-    problems = [problem for report in reports for problem in report.problems]
     fixes = []
-    if any(problem.startswith(NOTHING_LEFT) for problem in problems):
+    if any(r.nothing_left for r in reports):
         fixes.append(f"raise --max-seq-len (the longest example has {max(r.longest for r in reports):,} tokens)")
-    positions = [re.search(rf"{LONGER_THAN_THE_BASE} (\d+) positions", problem) for problem in problems]
-    if any(positions):
-        fixes.append(f"give --max-seq-len {min(int(m.group(1)) for m in positions if m)} or less (the base "
-                     "model's positions)")
-    if any(not problem.startswith(NOTHING_LEFT) and LONGER_THAN_THE_BASE not in problem for problem in problems):
+    positions = [r.beyond_positions for r in reports if r.beyond_positions]
+    if positions:
+        fixes.append(f"give --max-seq-len {min(positions)} or less (the base model's positions)")
+    if any(len(r.problems) > r.nothing_left + (r.beyond_positions is not None) for r in reports):
         fixes.append(lines_fix)
     return "; ".join(fixes) or lines_fix
 

@@ -56,11 +56,8 @@ def id_problems(owner: str, slug: str, title: str | None) -> list[str]:
         problems.append(f"--slug {slug!r} must be {low}-{high} lowercase letters, digits and single hyphens "
                         "(Kaggle's rule for dataset ids)")
     low, high = TITLE_LENGTH
-    if title is None:  # the slug is the title: said once, where the slug itself is fine
-        if not any(p.startswith("--slug") for p in problems) and not low <= len(slug or "") <= high:
-            problems.append(f"--slug {slug!r} is also the title (no --title given), which must be {low}-{high} "
-                            "characters (Kaggle's rule for dataset titles): give a --title")
-    elif not low <= len(title) <= high:
+    # without --title the slug is the title, and the slug's own rule already bounds its length
+    if title is not None and not low <= len(title) <= high:
         problems.append(f"--title {title!r} must be {low}-{high} characters (Kaggle's rule for dataset titles)")
     return problems
 

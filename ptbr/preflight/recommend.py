@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ptbr.config import FinetuneConfig, LoopSettings
-from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run, mlx_bucket_length
+from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run, padded_length
 from ptbr.precision import auto_precision
 from ptbr.preflight.hardware import Hardware
 
@@ -169,9 +169,7 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
         reasons.append(f"{key} {cap}: the model has {max_positions} positions")
     planned = cap
     if longest and longest < cap:
-        planned = longest
-        if target == "mlx":  # MLX pads a micro-batch to a bucket's length (a power of two from 32)
-            planned = mlx_bucket_length(longest, cap)
+        planned = padded_length(target, longest, cap)
         reasons.append(f"memory planned for the longest example, {longest} tokens"
                        + (f" (MLX pads it to {planned})" if planned != longest else "") + f" ({key} {cap} is only a cap)")
 

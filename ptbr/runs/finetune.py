@@ -26,7 +26,7 @@ from ptbr.finetune.base import (
 from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
 from ptbr.finetune.data import JsonlReport, data_paths, fix_of, inspect_pair, problems_summary
 from ptbr.log import log
-from ptbr.memory import Architecture, mlx_bucket_length
+from ptbr.memory import Architecture, padded_length
 from ptbr.runs.common import (
     Resume,
     closing_world,
@@ -268,9 +268,8 @@ def _predicted_peak(settings: FinetuneConfig, backend, adapted, longest: int) ->
         arch = Architecture.from_hf_config(adapted.config)
     except (KeyError, TypeError, ValueError):
         return None
-    if backend.name == "mlx":  # MLX pads a micro-batch to a bucket's length (a power of two from 32)
-        longest = mlx_bucket_length(longest, settings.max_seq_len)
-    return predicted_peak_bytes(settings, arch, backend, settings.batch_size, longest)
+    return predicted_peak_bytes(settings, arch, backend, settings.batch_size,
+                                padded_length(backend.name, longest, settings.max_seq_len))
 
 
 def _auto_fit(settings: FinetuneConfig, backend, adapted, examples: list, pad_id: int) -> FinetuneConfig:
@@ -289,10 +288,8 @@ def _auto_fit(settings: FinetuneConfig, backend, adapted, examples: list, pad_id
     too_big = None
     if backend.device == "cpu":
         target = "mlx" if backend.name == "mlx" else "cpu"  # the memory model of the backend that runs
-        longest = len(longest_first[0].ids) - 1
-        if target == "mlx":  # MLX pads a micro-batch to a bucket's length (a power of two from 32)
-            longest = mlx_bucket_length(longest, settings.max_seq_len)
-        too_big = _lora_ram_guard(adapted, settings, longest, backend.precision, target)
+        length = padded_length(target, len(longest_first[0].ids) - 1, settings.max_seq_len)
+        too_big = _lora_ram_guard(adapted, settings, length, backend.precision, target)
     try:
         choice = auto_fit(backend, make_step, longest_batch, settings.batch_size, settings.grad_accum, too_big)
     finally:

@@ -18,6 +18,7 @@ from ptbr.data.tokens import (
     TokenDataset,
     eval_windows,
     open_dataset,
+    val_too_short,
 )
 from ptbr.files import file_sha256, write_directory
 from ptbr.log import log
@@ -114,8 +115,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
                                dataset.vocab_size, settings.eval_batches)
         eval_batches = [windows_to_batch(w) for w in windows] or None
     if eval_batches is None:
-        why = ("there is no val.bin" if dataset.val is None else
-               f"val.bin holds {len(dataset.val)} tokens, fewer than seq_len + 1 = {settings.seq_len + 1}")
+        why = (dataset.val is not None and val_too_short(len(dataset.val), settings.seq_len)) or "there is no val.bin"
         log(f"warning: no validation: {why} ({dataset.val_path}); training without evaluation "
             "(`ptbr prepare --val-fraction` sets its share of the tokens)")
 

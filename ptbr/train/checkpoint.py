@@ -54,38 +54,34 @@ def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_
 
 def read_state(path: Path) -> dict | None:
     """The checkpoint's trainer state if it is complete (a well-formed trainer_state.json, every
-    file it lists there at its size), else None."""
-    try:
-        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not _well_formed(state):
-        return None
-    try:
-        return state if all((path / name).stat().st_size == _size(entry) for name, entry in state["files"].items()) \
-            else None
-    except OSError:
-        return None
+    file it lists there at its size), else None (why_incomplete says why)."""
+    state, _ = _checked_state(path)
+    return state
 
 
 def why_incomplete(path: Path) -> str:
     """Why read_state(path) found no complete checkpoint, in words that name the file."""
+    return _checked_state(path)[1] or "it changed while it was read"
+
+
+def _checked_state(path: Path) -> tuple[dict | None, str | None]:
+    """(the trainer state, None) for a complete checkpoint, else (None, what is wrong)."""
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     except OSError as exc:
-        return f"{STATE_FILE} cannot be read ({exc.strerror or exc})"
+        return None, f"{STATE_FILE} cannot be read ({exc.strerror or exc})"
     except ValueError:
-        return f"{STATE_FILE} is not valid JSON"
+        return None, f"{STATE_FILE} is not valid JSON"
     if not _well_formed(state):
-        return f"{STATE_FILE} is malformed"
+        return None, f"{STATE_FILE} is malformed"
     for name, entry in state["files"].items():
         try:
             size = (path / name).stat().st_size
         except OSError:
-            return f"{name} is missing"
+            return None, f"{name} is missing"
         if size != _size(entry):
-            return f"{name} holds {size:,} bytes, {STATE_FILE} lists {_size(entry):,}"
-    return "it changed while it was read"
+            return None, f"{name} holds {size:,} bytes, {STATE_FILE} lists {_size(entry):,}"
+    return state, None
 
 
 def _size(entry) -> int:

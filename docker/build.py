@@ -159,8 +159,10 @@ def log(message: str) -> None:
     print(f"[build.py] {message}", flush=True)
 
 
-def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    log("$ " + " ".join(cmd))
+def run(cmd: list[str], echo: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    """Run `cmd` (printed first unless echo=False); a non-zero exit is a BuildError naming it."""
+    if echo:
+        log("$ " + " ".join(cmd))
     result = subprocess.run(cmd, **kwargs)
     if result.returncode != 0:
         raise BuildError(f"command failed with exit code {result.returncode}: {' '.join(cmd)}")
@@ -365,7 +367,7 @@ def fill_wheelhouse(variant: str) -> Path:
 
 
 def download_wheels(requirements: Path, wheels: Path, python: str, glibc_minor: int,
-                    pip_options: list[str] | tuple[str, ...] = ()) -> None:
+                    pip_options: list[str] | tuple[str, ...] = (), echo: bool = True) -> None:
     """`pip download` every pin of a hash-locked requirements file, as wheels only, for CPython
     `python` on Linux x86_64 with glibc 2.`glibc_minor`, into `wheels` (what is there already and
     matches a hash is kept).
@@ -386,7 +388,7 @@ def download_wheels(requirements: Path, wheels: Path, python: str, glibc_minor: 
         *[a for tag in (abi, "abi3", "none") for a in ("--abi", tag)],
         *[a for platform in platforms for a in ("--platform", platform)],
         "-r", str(requirements), "-d", str(wheels), *pip_options,
-    ])
+    ], echo=echo)
 
 
 def checkout_files() -> list[Path]:
@@ -412,9 +414,9 @@ def build_checkout_wheel(variant: str) -> Path:
     return build_wheel(context_dir(variant) / "dist")
 
 
-def build_wheel(dist: Path) -> Path:
+def build_wheel(dist: Path, echo: bool = True) -> Path:
     """The checkout as a wheel in `dist` (emptied first), built from a copy so that no build/ or
-    *.egg-info lands in it, with fixed timestamps."""
+    *.egg-info lands in it, with fixed timestamps (pip's command printed unless echo=False)."""
     shutil.rmtree(dist, ignore_errors=True)
     dist.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -426,7 +428,7 @@ def build_wheel(dist: Path) -> Path:
                "--quiet", "-w", str(dist), str(source)]
         if answers([sys.executable, "-c", "import setuptools, wheel"]):
             cmd.insert(4, "--no-build-isolation")
-        run(cmd, env=dict(os.environ, SOURCE_DATE_EPOCH=WHEEL_DATE_EPOCH))
+        run(cmd, echo=echo, env=dict(os.environ, SOURCE_DATE_EPOCH=WHEEL_DATE_EPOCH))
     (wheel,) = dist.glob("ptbr-*.whl")
     return wheel
 

@@ -213,3 +213,10 @@ def test_validate_data_cli(tmp_path, capsys):
     assert main(["validate-data", str(data)]) == 0
     out, _ = capsys.readouterr()
     assert "train.jsonl: 3 valid examples (messages)" in out and "valid.jsonl: 1 valid example (messages)" in out
+
+    write_jsonl(data / "valid.jsonl", [{"prompt": "Qual?", "completion": " Sim."}])  # another format than train's
+    assert main(["validate-data", str(data)]) == 3
+    out, err = capsys.readouterr()
+    assert "it holds 'prompt_completion' examples but the training file holds 'messages'" in out
+    assert err.rstrip().endswith("fix: give a validation file of 'messages' examples, as the training file holds "
+                                 "(or convert valid.jsonl to that format)"), err  # no line of it is wrong

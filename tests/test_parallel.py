@@ -37,15 +37,24 @@ def torchrun(*args: str, timeout: float = 300, env: dict | None = None) -> subpr
                            "-m", "ptbr", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
-def chunks_of(tmp_path: Path, tokens: int, vocab: int) -> dict:
-    """An environment in which every process's chunked loss takes chunks of `tokens` tokens (a
-    sitecustomize module sets the chunk size at start-up)."""
+def with_startup_code(tmp_path: Path, code: str, env: dict | None = None) -> dict:
+    """`env` (os.environ by default) with tmp_path/hooks on PYTHONPATH, whose sitecustomize module
+    runs `code` at the start of every Python process (added to what earlier calls put there)."""
     import os
 
     hooks = tmp_path / "hooks"
     hooks.mkdir(exist_ok=True)
-    (hooks / "sitecustomize.py").write_text(f"import ptbr.memory\nptbr.memory.CHUNK_BYTES = 4 * {vocab} * {tokens}\n")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])))
+    site = hooks / "sitecustomize.py"
+    site.write_text((site.read_text() if site.exists() else "") + code)
+    env = dict(env or os.environ)
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(paths if str(hooks) in paths else filter(None, [str(hooks), *paths]))
+    return env
+
+
+def chunks_of(tmp_path: Path, tokens: int, vocab: int) -> dict:
+    """An environment in which every process's chunked loss takes chunks of `tokens` tokens."""
+    return with_startup_code(tmp_path, f"import ptbr.memory\nptbr.memory.CHUNK_BYTES = 4 * {vocab} * {tokens}\n")
 
 
 THREADS_AT_EXIT = """
@@ -71,18 +80,9 @@ atexit.register(_record_threads_at_exit)
 def recording_threads_at_exit(tmp_path: Path, env: dict | None = None) -> dict:
     """An environment (added to `env`, e.g. chunks_of's) in which every process writes the names of
     its threads as it exits (Linux's /proc/self/task) to tmp_path/threads/rankN.txt."""
-    import os
-
-    folder, hooks = tmp_path / "threads", tmp_path / "hooks"
+    folder = tmp_path / "threads"
     folder.mkdir()
-    hooks.mkdir(exist_ok=True)
-    site = hooks / "sitecustomize.py"
-    earlier = site.read_text() if site.exists() else ""
-    site.write_text(earlier + f"\nFOLDER = {str(folder)!r}\n" + THREADS_AT_EXIT)
-    env = dict(env or os.environ)
-    paths = env.get("PYTHONPATH", "").split(os.pathsep)
-    env["PYTHONPATH"] = os.pathsep.join(paths if str(hooks) in paths else filter(None, [str(hooks), *paths]))
-    return env
+    return with_startup_code(tmp_path, f"\nFOLDER = {str(folder)!r}\n" + THREADS_AT_EXIT, env)
 
 
 def gloo_threads_at_exit(tmp_path: Path) -> dict[int, list[str]]:

@@ -63,6 +63,12 @@ class TokenDataset:
         return int(max(tokens[i:i + chunk].max() for i in range(0, len(tokens), chunk)))
 
 
+def holds_finetuning_data(directory: str | Path) -> bool:
+    """A directory of fine-tuning data (train.jsonl) given where a pretraining dataset goes."""
+    directory = Path(directory)
+    return (directory / "train.jsonl").is_file() and not (directory / "train.bin").exists()
+
+
 def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> TokenDataset:
     """Open and check a dataset directory, in the ptbr layout (meta.json) or the older one
     (raw uint16 train.bin and a tokenizer.json given with --tokenizer). All problems in one error."""
@@ -77,7 +83,7 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     train_path = directory / "train.bin"
     if not train_path.is_file():
         fix = "run `ptbr prepare --input TEXTS --output DIR` first"
-        if (directory / "train.jsonl").is_file():
+        if holds_finetuning_data(directory):
             fix = ("this is fine-tuning data (train.jsonl): `ptbr finetune --data` and `ptbr validate-data` take it; "
                    "to pretrain on it, run `ptbr prepare --input TEXTS --output DIR` first")
         raise DataError("no train.bin in the data directory", str(directory), fix)

@@ -76,10 +76,12 @@ class JsonlReport:
     examples: list[Example] = field(default_factory=list)
     longest: int = 0  # tokens of the longest example before truncation
     too_long: int = 0  # examples longer than max_seq_len
-    # problems of length, which no edit of a line fixes (fix_of): nothing left within max_seq_len,
-    # or examples beyond the base's positions (how many it has)
+    # problems which no edit of a line fixes (fix_of): nothing left within max_seq_len, examples
+    # beyond the base's positions (how many it has), a validation file in another format than the
+    # training file's (that format)
     nothing_left: bool = False
     beyond_positions: int | None = None
+    training_format: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -367,6 +369,7 @@ def inspect_pair(train_path: Path, valid_path: Path | None, tokenizer=None, max_
     train = reports[0]
     for valid in reports[1:]:
         if train.schema and valid.schema and valid.schema != train.schema:
+            valid.training_format = train.schema
             valid.problems.append(f"it holds {valid.schema!r} examples but the training file holds {train.schema!r}")
     if max_positions:
         for report in reports:
@@ -380,15 +383,21 @@ def inspect_pair(train_path: Path, valid_path: Path | None, tokenizer=None, max_
 
 
 def fix_of(reports: list[JsonlReport], lines_fix: str) -> str:
-    """The fix for these files' problems: `lines_fix` for problems in lines, and what to give
-    --max-seq-len when a problem is about lengths (which no edit of a line would fix)."""
+    """The fix for these files' problems: `lines_fix` for problems in lines, what to give
+    --max-seq-len when a problem is about lengths, and the format a validation file needs when it
+    holds another (which no edit of a line would fix)."""
     fixes = []
     if any(r.nothing_left for r in reports):
         fixes.append(f"raise --max-seq-len (the longest example has {max(r.longest for r in reports):,} tokens)")
     positions = [r.beyond_positions for r in reports if r.beyond_positions]
     if positions:
         fixes.append(f"give --max-seq-len {min(positions)} or less (the base model's positions)")
-    if any(len(r.problems) > r.nothing_left + (r.beyond_positions is not None) for r in reports):
+    formats = [r for r in reports if r.training_format]
+    for r in formats:
+        fixes.append(f"give a validation file of {r.training_format!r} examples, as the training file holds "
+                     f"(or convert {r.path.name} to that format)")
+    if any(len(r.problems) > r.nothing_left + (r.beyond_positions is not None) + (r.training_format is not None)
+           for r in reports):
         fixes.append(lines_fix)
     return "; ".join(fixes) or lines_fix
 

@@ -178,9 +178,9 @@ def plan_contents(settings: BundleSettings) -> Plan:
 def pretrain_data(data: str, tokenizer: str | None) -> dict[str, Path]:
     """The dataset's files as `ptbr train` reads them (checked the same way); its tokenizer lands
     in data/tokenizer.json, where the kernel's `--data` finds it."""
-    from ptbr.data.tokens import open_dataset
+    from ptbr.data.tokens import holds_finetuning_data, open_dataset
 
-    if Path(data).is_dir() and (Path(data) / "train.jsonl").is_file() and not (Path(data) / "train.bin").exists():
+    if holds_finetuning_data(data):
         raise DataError("no train.bin in the data directory: it holds fine-tuning data (train.jsonl)", data,
                         "bundle a fine-tuning run with --mode finetune --base BASE, or give a dataset `ptbr prepare` "
                         "wrote")
@@ -195,13 +195,13 @@ def pretrain_data(data: str, tokenizer: str | None) -> dict[str, Path]:
 def finetune_data(data: str, valid: str | None) -> dict[str, Path]:
     """train.jsonl and valid.jsonl, with every line checked as `ptbr validate-data` checks it (token
     lengths are checked on Kaggle by preflight, against the base)."""
-    from ptbr.finetune.data import data_paths, inspect_pair, problems_summary
+    from ptbr.finetune.data import data_paths, fix_of, inspect_pair, problems_summary
 
     train_path, valid_path = data_paths(data, valid)
     failed = [report for report in inspect_pair(train_path, valid_path) if report.problems]
     if failed:
         raise DataError("; ".join(problems_summary(report) for report in failed), data,
-                        "fix those lines (`ptbr validate-data FILE.jsonl` lists every problem)")
+                        fix_of(failed, "fix those lines (`ptbr validate-data FILE.jsonl` lists every problem)"))
     files = {f"{DATA}/train.jsonl": train_path}
     if valid_path is not None:
         files[f"{DATA}/valid.jsonl"] = valid_path
@@ -239,7 +239,7 @@ def wheelhouse(build, settings: BundleSettings, scratch: Path) -> tuple[dict[str
     version locks/kaggle.txt pins, downloaded (hash-checked) into the build cache for reuse; and the
     names of ptbr's own requirements (the versions the kernel logs)."""
     try:
-        ptbr_wheel = build.build_wheel(scratch / "dist")
+        ptbr_wheel = build.build_wheel(scratch / "dist", echo=False)
     except build.BuildError as exc:
         raise KaggleError(f"cannot build the ptbr wheel from the checkout: {exc}", str(build.ROOT),
                           "run `pip wheel --no-deps .` there to see why") from exc
@@ -254,7 +254,8 @@ def wheelhouse(build, settings: BundleSettings, scratch: Path) -> tuple[dict[str
         f"(manylinux_2_{build.KAGGLE_GLIBC_MINOR} x86_64), cached in {cache}")
     try:
         build.download_wheels(pins, cache, settings.python_version, build.KAGGLE_GLIBC_MINOR,
-                             pip_options=("--quiet",))  # pip's errors still print; its per-wheel lines would not help
+                             pip_options=("--quiet",), echo=False)  # pip's errors still print; its per-wheel
+        # lines and its command (27 platform tags) would not help: a failure's message names the command
     except build.BuildError as exc:
         raise KaggleError(f"pip could not download the bundle's wheels: {exc}", str(pins),
                           "check the network to the package index; a pin without a wheel for this Python "

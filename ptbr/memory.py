@@ -53,6 +53,12 @@ QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "mlx4": 0.5 + 
 RUNTIME_BYTES = {"cuda": 0, "cpu": 512 * MIB, "mps": 512 * MIB, "mlx": 512 * MIB}
 
 
+# config.json keys of models whose logits are more than the output layer's output (Gemma-2/3's
+# soft-capping, Cohere's scale, Granite's divisor, Falcon-H1's multiplier), for plans made from the
+# config alone; the run checks the model itself
+LOGIT_CHANGING_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+
+
 @dataclass(frozen=True)
 class Architecture:
     """What the memory model needs to know of a decoder."""
@@ -66,6 +72,9 @@ class Architecture:
     parameters: int
     tie_word_embeddings: bool = True
     head_dim: int | None = None  # None: hidden_size // num_heads
+    # the model changes its logits after the output layer (soft-caps or scales them): the run keeps
+    # the whole logits there (ptbr/backends/torch/loss.py chunkable_head checks the model itself)
+    changes_logits: bool = False
 
     @classmethod
     def from_preset(cls, preset: ModelPreset, vocab_size: int) -> Architecture:
@@ -86,7 +95,8 @@ class Architecture:
         tied = bool(config.get("tie_word_embeddings", False))
         per_layer = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter + 2 * h
         params = layers * per_layer + vocab * h * (1 if tied else 2) + h
-        return cls(h, layers, heads, kv_heads, inter, vocab, params, tied, head_dim)
+        changes = any(config.get(key) not in (None, 1, 1.0) for key in LOGIT_CHANGING_KEYS)
+        return cls(h, layers, heads, kv_heads, inter, vocab, params, tied, head_dim, changes)
 
     @property
     def attention_dim(self) -> int:
@@ -253,7 +263,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
     kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
     forward_output = (2 if mixed else 4) * tokens * arch.vocab_size  # the logits
-    if chunked_loss and chunks_the_loss(tokens, arch.vocab_size):
+    if chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size):
         # the output layer does not run in the forward pass (so autocast makes no copy of it, and
         # nothing saves its input); the loss then holds the final hidden states, their gradient
         # and the output layer's gradient, and works on one chunk of logits at a time
@@ -391,7 +401,7 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         backward_end=resident + working + (kept + activations if gradient_checkpointing else 0),
         quant=quant,
     )
-    if not (chunked_loss and chunks_the_loss(tokens, arch.vocab_size)):
+    if not (chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size)):
         return estimate
     # The chunked loss: the output layer does not run in the forward pass (autocast saves no copy
     # of it); the loss holds the final hidden states, their gradient and one chunk's work. With

@@ -110,6 +110,21 @@ def test_prompt_completion_and_text_masks(tmp_path, tokenizer_default):
     assert pc.schema == "prompt_completion" and text.schema == "text"
 
 
+def test_a_tokenizer_that_ends_texts_with_eos_itself_gets_one_eos(tmp_path, tokenizer_default):
+    """Tokenizers with add_eos_token (a post-processor that appends EOS): a text example and a
+    completion end with that one EOS, not two."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = tokenizer_default
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", tok.eos_token_id)])
+    assert tok("Faro.")["input_ids"][-1] == tok.eos_token_id
+    text = inspect_jsonl(write_jsonl(tmp_path / "x.jsonl", [{"text": "O Farense joga em Faro."}]), tok, 1024)
+    assert tok.decode(text.examples[0].ids) == "O Farense joga em Faro.<|endoftext|>"
+    pc = inspect_jsonl(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Quem?", "completion": " O Farense."}]), tok, 1024)
+    assert targets_and_context(tok, pc.examples[0])[0] == " O Farense.<|endoftext|>"
+
+
 def test_every_problem_is_reported_with_its_line(tmp_path):
     good = {"messages": CONVERSATION[1:3]}
     path = tmp_path / "bad.jsonl"

@@ -127,11 +127,33 @@ def test_only_a_plain_output_layer_is_chunked(tmp_path):
     config = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, intermediate_size=32)
     model = LlamaForCausalLM(config)
-    assert chunked.chunkable_head(model) is model.lm_head
+    assert chunked.chunkable_head(model) == (model.lm_head, None)
     adapted = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj"]))
-    assert chunked.chunkable_head(adapted) is adapted.base_model.model.lm_head
+    assert chunked.chunkable_head(adapted) == (adapted.base_model.model.lm_head, None)
+    assert adapted.training  # the check runs the model in evaluation mode, and leaves it as it was
     adapted_head = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
-    assert chunked.chunkable_head(adapted_head) is None
+    head, why = chunked.chunkable_head(adapted_head)
+    assert head is None and "plain Linear" in why
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere"])
+def test_a_model_that_changes_its_logits_after_the_output_layer_keeps_the_whole_logits(family):
+    """Gemma-2 soft-caps its logits (30 tanh(logits / 30)), Cohere scales them (logit_scale 0.0625):
+    the chunked loss, computed from the output layer's input and weight, would leave that out and
+    train on another loss than the model's. Even at a random initialisation, where the cap changes
+    the small logits by less than 1e-3, the check sees it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, intermediate_size=32, head_dim=8)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=2, target_modules=["q_proj"]))
+    head, why = chunked.chunkable_head(model)
+    assert head is None and "its logits are not its output layer's output" in why
+    with torch.no_grad():  # what the check saw: logits other than the output layer's, by little
+        hidden = model(input_ids=torch.arange(4)[None], output_hidden_states=True).hidden_states[-1]
+        gap = (model(input_ids=torch.arange(4)[None]).logits - model.get_output_embeddings()(hidden)).abs().max()
+    assert 0 < float(gap) < (1e-3 if family == "gemma2" else 1.0)
 
 
 def _steps(chunked_loss: bool, precision: str, steps: int = 3, init_scale: float | None = None):

@@ -229,6 +229,21 @@ def test_the_chunked_loss_saves_the_whole_logits():
     assert plain.total - chunked.total > 2.5 * 1024**3
 
 
+def test_a_model_that_changes_its_logits_is_planned_with_the_whole_logits():
+    """Gemma-2's soft-capped, Cohere's scaled logits: the run keeps the whole logits there
+    (tests/test_loss.py), so the plan must count them; Granite's logits_scaling of 1 changes nothing."""
+    plain = Architecture.from_hf_config(MISTRAL_7B)
+    args = (1, 1024, 16, "nf4", "bf16")
+    chunked = estimate_lora_memory(plain, *args, chunked_loss=True)
+    for key, value in (("final_logit_softcapping", 30.0), ("logit_scale", 0.0625)):
+        arch = Architecture.from_hf_config(dict(MISTRAL_7B, **{key: value}))
+        assert arch.changes_logits
+        whole = estimate_lora_memory(arch, *args, chunked_loss=True)
+        assert whole == estimate_lora_memory(arch, *args)
+        assert whole.logits > chunked.logits and whole.total > chunked.total
+    assert not Architecture.from_hf_config(dict(MISTRAL_7B, logits_scaling=1.0, final_logit_softcapping=None)).changes_logits
+
+
 def _predicted_and_measured(preset, vocab, batch, seq, precision, checkpointing, chunked, measure=True):
     import torch
 

@@ -160,6 +160,9 @@ def test_backend_mlx_plans_for_mlx_on_any_machine_and_for_its_cpu_off_a_mac():
     assert any("MLX on the CPU" in r for r in rec.reasons) and not any("Apple Silicon" in r for r in rec.reasons)
     rec = recommend(MACHINES["mac16"], asked, arch, max_positions=MISTRAL_7B["max_position_embeddings"], examples=848)
     assert rec.target == "mlx" and rec.settings.precision == "bf16"
+    fp16 = dataclasses.replace(asked, precision="fp16")  # MLX has no loss scaling: the run refuses fp16
+    rec = recommend(MACHINES["mac16"], fp16, arch, max_positions=MISTRAL_7B["max_position_embeddings"], examples=848)
+    assert rec.settings.precision == "bf16" and any("bf16 instead of fp16: MLX has no loss" in r for r in rec.reasons)
 
 
 def test_t4_gets_fp16_and_two_t4s_train_on_both():

@@ -257,6 +257,24 @@ def test_older_layout_dataset_trains(tmp_path, dataset_dir):
     assert len(metrics(out)) == 2 and all(r["val_loss"] is None for r in metrics(out))
 
 
+@pytest.mark.parametrize("pad_id", [None, 1])
+def test_eos_is_trained_as_an_input_like_any_token(pad_id):
+    """EOS separates every document: never transformers' padding_idx (a row that starts at zero and
+    gets no gradient from the inputs), also where the dataset has no padding token (older layout)."""
+    from ptbr.backends.torch.models import build_model
+    from ptbr.config import PRESETS
+
+    model = build_model(PRESETS["tiny"], 300, eos_id=5, seed=0, pad_id=pad_id)
+    embedding = model.get_input_embeddings()
+    assert embedding.padding_idx == pad_id and model.config.pad_token_id == pad_id
+    ids = torch.tensor([[5, 9, 5, 9]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    weight, grad = embedding.weight.detach(), embedding.weight.grad
+    assert float(weight[5].abs().sum()) > 0 and float(grad[5].abs().sum()) > 0
+    if pad_id is not None:  # the padding token's row: zero, and no gradient but the output layer's (tied)
+        assert float(weight[pad_id].abs().sum()) == 0
+
+
 def test_final_loads_in_plain_transformers_and_generates(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

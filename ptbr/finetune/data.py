@@ -244,10 +244,15 @@ def encode_record(tokenizer, record: Record) -> tuple[list[int], list[bool]]:
         return _encode_messages(tokenizer, value["messages"])
     if record.schema == "prompt_completion":
         prompt = _ids(tokenizer, value["prompt"], special=True)
-        completion = _ids(tokenizer, value["completion"]) + [eos]
+        completion = _ended(_ids(tokenizer, value["completion"]), eos)
         return prompt + completion, [False] * len(prompt) + [True] * len(completion)
-    ids = _ids(tokenizer, value["text"], special=True) + [eos]
+    ids = _ended(_ids(tokenizer, value["text"], special=True), eos)
     return ids, [True] * len(ids)
+
+
+def _ended(ids: list[int], eos: int) -> list[int]:
+    """`ids` ending with one EOS: the tokenizer's own where it adds one (add_eos_token), else ours."""
+    return ids if ids and ids[-1] == eos else ids + [eos]
 
 
 def encode_prompt(tokenizer, prompt: str, schema: str | None) -> list[int]:

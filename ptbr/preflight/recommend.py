@@ -113,6 +113,10 @@ def choose_precision(hardware: Hardware, target: str, requested: str, reasons: l
             reasons.append("precision bf16 (autocast, fp32 weights): this CPU computes bf16 natively (AVX512-BF16 or "
                            "AMX), about 1.6x faster than fp32 at 85m")
         return chosen
+    if target == "mlx" and requested == "fp16":
+        reasons.append("precision bf16 instead of fp16: MLX has no loss scaling, and fp16's small gradients would "
+                       "vanish")
+        return "bf16"
     if target == "mlx" or requested == "fp32" or (requested == "bf16" and target == "cpu"):
         return requested
     reasons.append(f"precision fp32 instead of {requested}: {requested} needs a CUDA GPU")

@@ -45,8 +45,8 @@ def model_args(preset: ModelPreset, vocab_size: int):
 
 
 def hf_config(preset: ModelPreset, vocab_size: int, eos_id: int, pad_id: int | None) -> dict:
-    """config.json of the model as LlamaForCausalLM (the torch backend's llama_config, as JSON);
-    mlx-lm reads the same keys."""
+    """config.json of the model as LlamaForCausalLM (the torch backend's llama_config, as JSON:
+    pad_token_id None without a padding token, see there); mlx-lm reads the same keys."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -70,7 +70,7 @@ def hf_config(preset: ModelPreset, vocab_size: int, eos_id: int, pad_id: int | N
         "initializer_range": INITIALIZER_RANGE,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
-        "pad_token_id": pad_id if pad_id is not None else eos_id,
+        "pad_token_id": pad_id,
         "use_cache": True,
         "dtype": "float32",
     }

@@ -125,8 +125,7 @@ class TorchBackend:
         if not step.chunked_loss:
             return None
         if step.head is None:
-            return ("chunked loss: not with this model's output layer (only a plain Linear without a bias or "
-                    "offloading is chunked): the whole logits")
+            return f"chunked loss: not with this model ({step.whole_logits_why}): the whole logits"
         from ptbr.memory import chunk_tokens, chunks_the_loss
 
         vocab = step.head.out_features

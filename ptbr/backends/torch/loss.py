@@ -22,7 +22,7 @@ weight (under FSDP, the gathered weight) for the loss.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -31,15 +31,40 @@ from ptbr.data.batch import IGNORE_INDEX
 from ptbr.memory import chunk_tokens
 
 
-def chunkable_head(model):
-    """The model's output layer if the chunked loss can compute with it: a plain Linear without a
-    bias (trained, as in pretraining, or frozen: the Function supports it, fine-tuning does not use
-    it yet), and without accelerate's hooks (offloading moves its weight in its forward, which the
-    swap skips). Else None: a LoRA-adapted, quantized or offloaded lm_head keeps the plain loss."""
+def chunkable_head(model, autocast=nullcontext) -> tuple[torch.nn.Linear | None, str | None]:
+    """(the model's output layer, None) if the chunked loss can compute with it, else (None, why).
+
+    It must be a plain Linear without a bias (trained, as in pretraining, or frozen) and without
+    accelerate's hooks (offloading moves its weight in its forward, which the swap skips): a
+    LoRA-adapted, quantized or offloaded lm_head keeps the plain loss. And the model's logits must
+    be that layer's output, unchanged: the chunked loss computes them as hidden @ weight.T, so
+    anything a model does after it (Gemma-2's final_logit_softcapping, Cohere's logit_scale,
+    Granite's logits_scaling, ...) would be left out of the loss. That is checked by running the
+    model once on 4 tokens (no gradients, evaluation mode: no dropout mask drawn) under `autocast`,
+    the run's precision, rather than by a list of model types that would always lag transformers."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is torch.nn.Linear and head.bias is None and not hasattr(head, "_hf_hook"):
-        return head
-    return None
+    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head, "_hf_hook"):
+        return None, "only a plain Linear output layer without a bias or offloading is chunked"
+    if not _logits_are_the_output_layers(model, head, autocast):
+        return None, ("its logits are not its output layer's output: the model changes them after it, "
+                      "e.g. soft-capped or scaled")
+    return head, None
+
+
+def _logits_are_the_output_layers(model, head, autocast) -> bool:
+    made: list = []
+    handle = head.register_forward_hook(lambda module, args, output: made.append(output))
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast():
+            ids = torch.arange(4, device=head.weight.device).unsqueeze(0) % head.out_features
+            logits = model(input_ids=ids).logits
+    finally:
+        handle.remove()
+        model.train(training)
+    return (len(made) == 1 and made[0].shape == logits.shape
+            and torch.equal(made[0].float(), logits.float()))
 
 
 @contextmanager

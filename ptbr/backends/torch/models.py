@@ -6,7 +6,10 @@ from ptbr.config import ModelPreset
 
 
 def llama_config(preset: ModelPreset, vocab_size: int, eos_id: int, pad_id: int | None = None):
-    """A `LlamaConfig` for a preset: RMSNorm, RoPE, SwiGLU, SDPA attention."""
+    """A `LlamaConfig` for a preset: RMSNorm, RoPE, SwiGLU, SDPA attention. pad_token_id is the
+    dataset's padding token or None, never EOS: transformers makes it the embedding's padding_idx,
+    whose row starts at zero and never gets a gradient from the inputs, and EOS separates every
+    document (`ptbr generate` pads with EOS where a model has no padding token)."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(
@@ -22,7 +25,7 @@ def llama_config(preset: ModelPreset, vocab_size: int, eos_id: int, pad_id: int 
         tie_word_embeddings=preset.tie_word_embeddings,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
-        pad_token_id=pad_id if pad_id is not None else eos_id,
+        pad_token_id=pad_id,
         hidden_act="silu",
     )
     config._attn_implementation = "sdpa"

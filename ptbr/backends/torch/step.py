@@ -47,11 +47,11 @@ class TorchStep:
         # --chunked-loss: the logits a chunk of tokens at a time (ptbr/backends/torch/loss.py) where
         # the whole would be larger than one chunk; None: the whole logits, through the output layer
         self.chunked_loss = chunked_loss
-        self.head = None
+        self.head, self.whole_logits_why = None, None
         if chunked_loss:
             from ptbr.backends.torch.loss import chunkable_head
 
-            self.head = chunkable_head(model)
+            self.head, self.whole_logits_why = chunkable_head(model, placement.autocast)
         # --compile: training steps run the forward pass (and the whole logits' loss) compiled;
         # evaluation stays eager (no_grad would be a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext
@@ -207,6 +207,9 @@ class TorchStep:
             rng["cuda"] = torch.cuda.get_rng_state_all()
         if self.world.size > 1:
             rng["torch_by_rank"] = [state.cpu() for state in self.world.gather(rng["torch"])]
+            if self.placement.device.type == "cuda":  # each rank's GPU draws its own dropout masks
+                own = torch.cuda.get_rng_state(self.placement.device)
+                rng["cuda_by_rank"] = [state.cpu() for state in self.world.gather(own)]
         if directory is None:
             return
         self.exported = weights
@@ -253,6 +256,9 @@ class TorchStep:
             torch.manual_seed(int(torch.randint(0, 2**62, ())) + self.world.rank)
         if "cuda" in rng and torch.cuda.is_available() and self.world.size == 1:
             torch.cuda.set_rng_state_all(rng["cuda"])
+        cuda_by_rank = rng.get("cuda_by_rank")
+        if cuda_by_rank and len(cuda_by_rank) == self.world.size > 1 and self.placement.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_by_rank[self.world.rank], self.placement.device)
 
     def memory_bytes(self) -> int:
         from ptbr.backends.torch.device import memory_in_use

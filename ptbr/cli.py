@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 where the GPU really has it, fp16 on T4-class GPUs, fp32 on CPU (default: auto)")
 
     p = command("generate")
-    p.add_argument("prompt", help='a question for a chat model, or text to continue, e.g. "Era uma vez"')
+    p.add_argument("prompt", help='a question for a chat model, or text to continue, e.g. "Era uma vez" '
+                                  '(one that starts with "-" goes after "--": ptbr generate --model M -- "-texto")')
     p.add_argument("--model", required=True, help="a model directory (OUTPUT/final, a merged model) or a base model")
     p.add_argument("--adapter", help="a LoRA adapter directory (OUTPUT/adapters) to apply to --model")
     p.add_argument("--download", action="store_true", help="allow --model to be a Hugging Face Hub id (needs network)")
@@ -370,7 +371,7 @@ def _command(args) -> int:
         from ptbr.crash import write_crash_report
 
         report = write_crash_report(args, exc)
-        print(error_line(exc, str(report) if report else None), file=sys.stderr, flush=True)
+        print(error_line(exc, str(report) if report else None, debug), file=sys.stderr, flush=True)
         return 1
 
 

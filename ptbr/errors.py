@@ -134,16 +134,23 @@ def signal_of(interrupt: KeyboardInterrupt) -> str:
     return interrupt.args[0] if interrupt.args else "SIGINT"
 
 
-def error_line(exc: BaseException, crash_report: str | None = None) -> str:
-    """The one line the CLI prints for an exception (and a run writes to train.log)."""
+def error_line(exc: BaseException, crash_report: str | None = None, traceback_shown: bool = False) -> str:
+    """The one line the CLI prints for an exception (and a run writes to train.log). An unexpected
+    one points to its crash report where a run wrote one, else to its traceback (shown above with
+    --debug)."""
     if isinstance(exc, PtbrError):
         return exc.one_line()
     if isinstance(exc, KeyboardInterrupt):
         return f"error: stopped by {signal_of(exc)}"
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    where = f"details in {crash_report}" if crash_report else "rerun with --debug for the traceback"
+    if crash_report:
+        where, evidence = f"details in {crash_report}", "that file"
+    elif traceback_shown:
+        where, evidence = "traceback above", "the traceback above"
+    else:
+        where, evidence = "rerun with --debug for the traceback", "that traceback"
     return (f"error: unexpected {type(exc).__name__}: {message} ({where}); "
-            "fix: this is a bug in ptbr, please report it with that file")
+            f"fix: this is a bug in ptbr, please report it with {evidence}")
 
 
 def collect(problems: list[str], error_type: type[PtbrError], where: str | None, fix: str) -> None:

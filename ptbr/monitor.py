@@ -165,8 +165,13 @@ def read_run(run_dir: str | Path) -> Run:
     metrics_written = _mtime(run_dir / "metrics.jsonl")
     times = [t for t in (metrics_written, _mtime(run_dir / "train.log"), saving_time) if t]
     reports = {path.name: t for pattern in REPORTS for path in sorted(run_dir.glob(pattern)) if (t := _mtime(path))}
+    unreadable: list[int] = []
+    rows = read_metrics(run_dir / "metrics.jsonl", unreadable)
+    if unreadable:
+        problems.append(f"metrics.jsonl: line {', '.join(map(str, unreadable[:5]))} "
+                        f"{'is' if len(unreadable) == 1 else 'are'} not a metrics row (left out)")
     return Run(run_dir, config if isinstance(config, dict) else {}, summary if isinstance(summary, dict) else None,
-               read_metrics(run_dir / "metrics.jsonl"), _read_log(run_dir / "train.log"), _read_owner(run_dir),
+               rows, _read_log(run_dir / "train.log"), _read_owner(run_dir),
                _newest_checkpoint(run_dir), saving, max(times) if times else None, metrics_written,
                _mtime(run_dir / "training_summary.json"), reports, problems)
 

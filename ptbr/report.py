@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ptbr import __version__
-from ptbr.errors import ConfigError, DataError
+from ptbr.errors import ConfigError, DataError, OutputError
 from ptbr.files import write_directory, write_text, writing
 from ptbr.monitor import Run, assess, format_bytes, perplexity, read_run, smoothed
 from ptbr.train.progress import format_eta
@@ -52,14 +52,51 @@ def write_report(run_dirs: list[str | Path], output: str | Path | None = None) -
     if output is None and len(runs) > 1:
         raise ConfigError("several runs need --output DIR for their comparison", "ptbr report",
                           "give --output DIR (report.md and plots/ are written there)")
+    resolved = [run.run_dir.resolve() for run in runs]
+    if len(set(resolved)) < len(resolved):
+        twice = next(run.run_dir for run, path in zip(runs, resolved, strict=True) if resolved.count(path) > 1)
+        raise ConfigError(f"the same run given twice: {twice}", "ptbr report", "name each run once")
     require_matplotlib()
     folder = Path(output).expanduser() if output is not None else runs[0].run_dir
+    check_report_folder(folder, runs)
     with writing("the report", folder):
         folder.mkdir(parents=True, exist_ok=True)
     names = run_names(runs)
     write_directory(folder / "plots", lambda tmp: draw_plots(runs, names, tmp), "the report's plots")
     text = single_report(runs[0]) if len(runs) == 1 else comparison_report(runs, names)
     return write_text(folder / "report.md", text, "report.md")
+
+
+def check_report_folder(folder: Path, runs: list[Run]) -> None:
+    """Where report.md and plots/ go: a run's own report goes into its directory; any other folder
+    may be new or hold an earlier report of ptbr's, never a dataset, another run or a user's files
+    that the report would replace (plots/ is replaced whole)."""
+    from ptbr.data.prepare import RUN_MARKERS
+    from ptbr.data.tokens import INCOMPLETE_MARKER
+
+    if not folder.is_dir():
+        return  # new (or a file, which writing the report refuses)
+    fix = "give --output a folder of its own (e.g. reports/NAME), or leave it out for one run's own report"
+    dataset = [name for name in ("train.bin", INCOMPLETE_MARKER) if (folder / name).exists()]
+    if dataset:
+        raise OutputError(f"--output holds a dataset ({dataset[0]})", str(folder), fix)
+    own = len(runs) == 1 and folder.resolve() == runs[0].run_dir.resolve()
+    if not own and any((folder / name).exists() for name in RUN_MARKERS):
+        raise OutputError("--output is another training run's directory: its own report would be replaced",
+                          str(folder), fix)
+    report = folder / "report.md"
+    if report.exists() and not (report.is_file() and _written_by_ptbr(report)):
+        raise OutputError("--output holds a report.md that ptbr did not write: it would be replaced", str(folder), fix)
+    plots = folder / "plots"
+    theirs = sorted(p.name for p in plots.iterdir() if p.name not in {f"{n}.png" for n in PLOTS}) if plots.is_dir() else []
+    if theirs or (plots.exists() and not plots.is_dir()):
+        raise OutputError(f"--output's plots{'/' + theirs[0] if theirs else ''} is not one of ptbr's plots: "
+                          "plots/ would be replaced", str(folder), fix)
+
+
+def _written_by_ptbr(report: Path) -> bool:
+    with open(report, encoding="utf-8", errors="replace") as f:
+        return f.readline().startswith(("# Run report: ", "# Run comparison"))
 
 
 def run_names(runs: list[Run]) -> list[str]:

@@ -201,6 +201,29 @@ def test_wrong_requests_are_one_line_errors(resumed_run, tmp_path, capsys):
     assert main(["report", str(resumed_run), "--output", str(tmp_path / "afile")]) == 6
     assert capsys.readouterr().err.strip().endswith("; fix: a file stands where a directory goes: remove it, or "
                                                     "choose another output path")
+    # --output never replaces what is not a report of ptbr's
+    comparison = tmp_path / "comparison"
+    assert main(["report", str(resumed_run), str(resumed_run / "."), "--output", str(comparison)]) == 2
+    assert "the same run given twice" in capsys.readouterr().err
+    assert main(["report", str(resumed_run), "--output", str(comparison)]) == 0  # a new folder
+    assert main(["report", str(resumed_run), "--output", str(comparison)]) == 0  # its own report, again
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("# My thesis notes\n")
+    other = tmp_path / "other-run"
+    shutil.copytree(resumed_run, other)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"")
+    mine = tmp_path / "mine"
+    (mine / "plots").mkdir(parents=True)
+    (mine / "plots" / "figure1.png").write_bytes(b"")
+    for folder, what in ((notes, "a report.md that ptbr did not write"), (other, "another training run's directory"),
+                         (data, "holds a dataset (train.bin)"), (mine, "plots/figure1.png is not one of ptbr's plots")):
+        capsys.readouterr()
+        assert main(["report", str(resumed_run), "--output", str(folder)]) == 6, what
+        assert what in capsys.readouterr().err
+    assert (notes / "report.md").read_text() == "# My thesis notes\n" and (mine / "plots" / "figure1.png").exists()
     starting = tmp_path / "starting"
     starting.mkdir()
     (starting / "train.log").write_text("2026-01-01 00:00:00 backend torch, device cpu\n")

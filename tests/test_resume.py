@@ -209,6 +209,24 @@ def test_max_steps_on_resume_continues_the_same_schedule(tmp_path, capsys):
     assert "the checkpoint is at step 6, past --max-steps 3" in last_error(capsys)
 
 
+def test_a_damaged_metrics_line_costs_that_line_only(tmp_path, capsys):
+    """A line of metrics.jsonl that is not a row (edited, damaged): monitor says so, and a resume
+    keeps every other row up to its checkpoint (it used to keep only those before the damage)."""
+    out = tmp_path / "run"
+    assert train(out, "--max-steps", "4", "--save-every", "4") == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    lines[1] = "{not json"
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(["monitor", str(out), "--once"]) == 0
+    assert "warning: metrics.jsonl: line 2 is not a metrics row (left out)" in capsys.readouterr().out
+    assert train(out, "--max-steps", "5", "--save-every", "5") == 0
+    assert "1 line(s) that are not metrics rows left out on resume (line 2); the other rows are kept" \
+        in capsys.readouterr().err
+    assert [row["step"] for row in metrics(out)] == [1, 3, 4, 5]
+    assert (out / "metrics.csv").read_text().count("\n") == 5  # its header and the same 4 rows
+
+
 def test_error_lines_and_the_stop_line_reach_train_log(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(out, "--max-steps", "2", "--save-every", "2") == 0

@@ -239,6 +239,27 @@ def test_an_unexpected_exception_leaves_a_crash_report(tmp_path):
     assert "versions: {'python'" in text
 
 
+def test_an_unexpected_exception_without_a_run_points_to_its_traceback(monkeypatch, capsys):
+    """A command with no run directory writes no crash report: the line asks for the traceback
+    (--debug), and under --debug says it is above, never "rerun with --debug"."""
+    from ptbr.cli import main
+    from ptbr.commands import info
+
+    def broken(args):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(info, "main", broken)
+    assert main(["info", "--model-size", "tiny"]) == 1
+    assert last_line(capsys.readouterr().err) == (
+        "error: unexpected RuntimeError: simulated bug (rerun with --debug for the traceback); fix: this is a bug "
+        "in ptbr, please report it with that traceback")
+    assert main(["info", "--model-size", "tiny", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and last_line(err) == ("error: unexpected RuntimeError: simulated bug (traceback above); "
+                                                     "fix: this is a bug in ptbr, please report it with the traceback "
+                                                     "above")
+
+
 # ---- graceful stop, SIGKILL, safe checkpoints --------------------------------------------------
 
 

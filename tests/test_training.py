@@ -291,6 +291,18 @@ def test_final_loads_in_plain_transformers_and_generates(tmp_path, capsys):
                  "Era uma vez"]) == 0
     assert capsys.readouterr().out.startswith("Era uma vez")
 
+    # the model's 512 positions hold the prompt and the new tokens: more new ones are capped, and said;
+    # a prompt that fills them is refused, as is one that is not UTF-8 (undecodable bytes of argv)
+    generate = ["generate", "--model", str(out / "final"), "--device", "cpu", "--temperature", "0"]
+    assert main([*generate, "--max-new-tokens", "100000", "Era uma vez"]) == 0
+    prompt = len(AutoTokenizer.from_pretrained(out / "final")("Era uma vez")["input_ids"])
+    assert (f"warning: --max-new-tokens 100,000 capped at {512 - prompt}: the prompt's {prompt} tokens and the new "
+            "ones must fit the model's 512 positions") in capsys.readouterr().err
+    assert main([*generate, "Era uma vez " * 400]) == 2
+    assert "tokens; the model takes 512 in all (its max_position_embeddings)" in capsys.readouterr().err
+    assert main([*generate, "caf\udce9"]) == 2
+    assert "the prompt is not valid UTF-8 (character 4)" in capsys.readouterr().err
+
 
 def test_a_val_bin_shorter_than_a_window_is_a_warning_that_says_why(tmp_path, dataset_dir, capsys):
     val_tokens = json.loads((dataset_dir / "meta.json").read_text())["val_tokens"]

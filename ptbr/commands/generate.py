@@ -4,6 +4,7 @@ backend's format is converted on the fly (ptbr/finetune/export.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 from contextlib import ExitStack
 from pathlib import Path
@@ -14,6 +15,7 @@ from ptbr.errors import ConfigError, ModelError, collect
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, read_adapter_meta
 from ptbr.finetune.base import check_base, load_error
 from ptbr.finetune.export import adapter_as, adapter_format
+from ptbr.log import log
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -89,12 +91,29 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
+def new_tokens_that_fit(max_positions: int | None, prompt_tokens: int, max_new_tokens: int) -> int:
+    """--max-new-tokens, capped (and said) where the prompt and it would run past the model's
+    positions; a prompt that fills them is refused: beyond them a model produces noise."""
+    if not max_positions or prompt_tokens + max_new_tokens <= max_positions:
+        return max_new_tokens
+    if prompt_tokens >= max_positions:
+        raise ConfigError(f"the prompt has {prompt_tokens:,} tokens; the model takes {max_positions:,} in all "
+                          "(its max_position_embeddings), new ones included", "ptbr generate",
+                          "give a shorter prompt")
+    left = max_positions - prompt_tokens
+    log(f"warning: --max-new-tokens {max_new_tokens:,} capped at {left:,}: the prompt's {prompt_tokens:,} tokens "
+        f"and the new ones must fit the model's {max_positions:,} positions")
+    return left
+
+
 def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
              chat: bool = False) -> str:
     """torch: the continuation of `prompt`; with chat=True, the answer to `prompt` as a user message."""
     import torch
 
     ids = torch.tensor([prompt_ids(tokenizer, prompt, chat)], device=model.device)
+    max_new_tokens = new_tokens_that_fit(getattr(model.config, "max_position_embeddings", None), ids.shape[1],
+                                         max_new_tokens)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sampling = temperature > 0
     options = {"do_sample": sampling, "max_new_tokens": max_new_tokens,
@@ -134,13 +153,27 @@ def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
     chat = is_chat_model(model_dir, args.adapter, tokenizer, args.raw)
     weights = args.adapter and adapter_as(args.adapter, "mlx", stack)
     model = mlx_generate.load_for_generation(Path(model_dir), Path(weights) if weights else None)
-    new = mlx_generate.generate(model, prompt_ids(tokenizer, args.prompt, chat), {tokenizer.eos_token_id},
-                                args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    ids = prompt_ids(tokenizer, args.prompt, chat)
+    max_new_tokens = new_tokens_that_fit(_max_positions(Path(model_dir)), len(ids), args.max_new_tokens)
+    new = mlx_generate.generate(model, ids, {tokenizer.eos_token_id}, max_new_tokens, args.temperature, args.top_k,
+                                args.seed)
     return tokenizer.decode(new, skip_special_tokens=True), chat
+
+
+def _max_positions(model_dir: Path) -> int | None:
+    try:
+        value = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 def main(args) -> int:
     problems = []
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes the terminal's encoding could not decode (kept as surrogates)
+        problems.append(f"the prompt is not valid UTF-8 (character {exc.start + 1}); give it in UTF-8")
     if not args.prompt.strip():
         problems.append("the prompt is empty")
     if args.max_new_tokens <= 0:

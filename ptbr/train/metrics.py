@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ptbr.errors import ConfigError
 from ptbr.files import append_lines, write_text, writing
+from ptbr.log import log
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_bytes", "elapsed_s")
 TENSORBOARD_DIR = "tensorboard"
@@ -25,7 +26,12 @@ class MetricsLog:
     def __init__(self, run_dir: Path, resume_step: int = 0, tensorboard: bool = False):
         self.jsonl = run_dir / "metrics.jsonl"
         self.csv = run_dir / "metrics.csv"
-        kept = [row for row in read_metrics(self.jsonl) if row["step"] <= resume_step] if resume_step else []
+        unreadable: list[int] = []
+        kept = [row for row in read_metrics(self.jsonl, unreadable) if row["step"] <= resume_step] if resume_step else []
+        if unreadable:
+            log(f"warning: {self.jsonl}: {len(unreadable)} line(s) that are not metrics rows left out on resume "
+                f"(line {', '.join(map(str, unreadable[:5]))}{', ...' if len(unreadable) > 5 else ''}); "
+                f"the other rows are kept")
         write_text(self.jsonl, "".join(json.dumps(row) + "\n" for row in kept), "metrics.jsonl")
         write_text(self.csv, _csv_lines([COLUMNS] + [_csv_row(row) for row in kept]), "metrics.csv")
         self.last: dict | None = kept[-1] if kept else None
@@ -99,18 +105,24 @@ class TensorBoardEvents:
             self.writer.close()
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, unreadable: list[int] | None = None) -> list[dict]:
+    """The rows of a metrics.jsonl. A line that is not a row (edited, damaged) is skipped, never the
+    rows after it, and its number goes into `unreadable` where one is given; so is an unfinished
+    last line (cut by a crash, or being written), but silently."""
     if not path.is_file():
         return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
     rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for number, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            break  # a line cut by a crash ends the readable part
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            break
-        rows.append(row)
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        elif line.strip() and unreadable is not None and (number < len(lines) or text.endswith("\n")):
+            unreadable.append(number)
     return rows
 
 

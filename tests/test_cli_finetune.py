@@ -102,3 +102,60 @@ def test_library_noise_is_filtered_and_kept_with_debug(toy, tmp_path, debug):
         assert "FutureWarning" in shown and "is deprecated" in shown
         assert ("Failed to load CPU gemm_4bit_forward" in shown) is _has_avx512bf16()
 
+
+
+def test_sampling_is_what_the_flags_say_not_the_model_s_generation_config(toy, tmp_path, capsys):
+    """A base that ships a generation_config.json with a repetition penalty and an n-gram ban (as
+    Qwen2.5's and Llama-3.1's ship top_p, a penalty): `--temperature 0` stays plain greedy, as on MLX."""
+    shipped = tmp_path / "shipped"
+    shutil.copytree(toy.base, shipped)
+    (shipped / "generation_config.json").write_text(json.dumps({"repetition_penalty": 50.0, "no_repeat_ngram_size": 1}))
+
+    def greedy(model) -> str:
+        capsys.readouterr()
+        assert main(["generate", "--model", str(model), "--raw", "Porto Porto Porto", "--temperature", "0",
+                     "--max-new-tokens", "40", "--device", "cpu"]) == 0
+        return capsys.readouterr().out
+
+    plain = greedy(toy.base)
+    assert len(plain.split()) > len(set(plain.split()))  # it repeats: a penalty or a ban would change it
+    assert greedy(shipped) == plain
+
+
+def test_a_sentencepiece_continuation_keeps_its_leading_space():
+    """Llama's and Mistral's decoder (Metaspace) drops the space that starts a decoding: "▁um"
+    decoded alone is "um", and `--raw` printed "Era uma vezum"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ptbr.commands.generate import decode_new
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁Era": 2, "▁uma": 3, "▁vez": 4, "▁um": 5, "▁menino": 6}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+    prompt = tokenizer("Era uma vez")["input_ids"]
+    assert prompt == [2, 3, 4] and tokenizer.decode([5, 6]) == "um menino"  # what a decoding of the new tokens gives
+    assert "Era uma vez" + decode_new(tokenizer, prompt, [5, 6, 1]) == "Era uma vez um menino"
+
+
+def test_a_chat_model_stops_at_its_template_s_end_of_turn():
+    """A base whose chat template ends turns with <|im_end|> (ChatML, e.g. Qwen2.5's) learns to end
+    answers with it, never with EOS: generation stops there; with ptbr's default template, at EOS;
+    and at every eos_token_id of the model's generation_config."""
+    from ptbr.commands.generate import stop_ids
+    from tests.test_chat_data import tokenizer as tokenizer_fixture
+
+    tokenizer = tokenizer_fixture.__wrapped__()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert stop_ids(tokenizer, None, chat=True) == {tokenizer.eos_token_id, end}
+    assert stop_ids(tokenizer, None, chat=False) == {tokenizer.eos_token_id}
+    assert stop_ids(tokenizer, [7, 9], chat=False) == {tokenizer.eos_token_id, 7, 9}
+    tokenizer.chat_template = None
+    from ptbr.finetune.data import use_default_chat_template
+
+    assert use_default_chat_template(tokenizer)
+    assert stop_ids(tokenizer, None, chat=True) == {tokenizer.eos_token_id}

@@ -90,6 +90,79 @@ def test_long_documents_stream_in_pieces(tmp_path, monkeypatch):
     assert meta["train_documents"] == 1 and meta["val_tokens"] == 0
 
 
+def test_a_document_that_ends_right_after_a_full_piece_still_ends(tmp_path, monkeypatch, capsys):
+    """A document whose last line fills a piece exactly: its end (EOS) must not be lost, or the
+    next document (also the next file's) is glued to it. Val takes no more pieces of a long
+    document than its share."""
+    import ptbr.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "MAX_CHUNK_CHARS", 20)
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("aaaaaaaaa\nbbbbbbbbb\n\nsegundo doc\n\nccccccccc\nddddddddd\n")  # 2 x 10 characters
+    second.write_text("terceiro doc\n")
+    assert list(corpus.iter_documents(first)) == [("aaaaaaaaa\nbbbbbbbbb\n", False), ("", True),
+                                                  ("segundo doc", True), ("ccccccccc\nddddddddd\n", False), ("", True)]
+    meta = prepare([str(first), str(second)], tmp_path / "out", vocab_size=300, val_fraction=0.0, show_progress=False)
+    assert meta["train_documents"] == 4
+    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype="<u2")
+    tokenizer = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert int((tokens == meta["eos_id"]).sum()) == 4
+    assert tokenizer.decode(tokens.tolist(), skip_special_tokens=False).split("<|endoftext|>") == [
+        "aaaaaaaaa\nbbbbbbbbb\n", "segundo doc", "ccccccccc\nddddddddd\n", "terceiro doc", ""]
+    assert "holds a document of more than 20 characters without a blank line" in capsys.readouterr().err
+
+
+def test_val_is_a_sample_of_the_documents_not_of_the_short_ones(tmp_path):
+    """Long and short documents in turn (chapters and their headings): val must hold both kinds as
+    train does, not mostly headings; a document of a single line without blank lines around it
+    never pulls a whole file into val."""
+    lines = []
+    for chapter in range(200):
+        lines += [f"Capítulo {chapter}.", "", " ".join(["uma frase comprida do capítulo"] * 30), ""]
+    corpus = tmp_path / "livro.txt"
+    corpus.write_text("\n".join(lines))
+    meta = prepare([str(corpus)], tmp_path / "out", vocab_size=300, val_fraction=0.1, show_progress=False)
+    per_document = {split: meta[f"{split}_tokens"] / meta[f"{split}_documents"] for split in ("train", "val")}
+    assert 0.8 < per_document["val"] / per_document["train"] < 1.25, (per_document, meta)
+    assert 0.08 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.12
+
+
+def test_text_that_spells_a_special_token_is_text(tmp_path):
+    """A document that mentions "<|endoftext|>" or "<|pad|>" (web text about language models): its
+    bytes, not a document boundary or padding in the middle of it."""
+    text = tmp_path / "t.txt"
+    text.write_text("O marcador <|endoftext|> separa documentos e <|pad|> preenche.\n\nOutro documento.\n\n" * 5)
+    meta = prepare([str(text)], tmp_path / "out", vocab_size=300, val_fraction=0.0, show_progress=False)
+    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype="<u2")
+    assert int((tokens == meta["eos_id"]).sum()) == meta["train_documents"] == 10
+    assert int((tokens == meta["pad_id"]).sum()) == 0
+    decoded = load_tokenizer(tmp_path / "out" / "tokenizer.json").decode(tokens.tolist(), skip_special_tokens=True)
+    assert decoded.count("O marcador <|endoftext|> separa documentos e <|pad|> preenche.") == 5
+
+
+def test_accents_typed_on_a_mac_are_the_same_tokens_and_a_bom_is_not_text(tmp_path):
+    """NFD text (macOS: "não" as n, a, combining tilde, o) tokenizes as its NFC form; a UTF-8
+    byte-order mark at the start of a file is not part of its first document."""
+    import unicodedata
+
+    nfc = "A canção não acabou, coração.\n\nÉ ação e emoção.\n\n"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(nfc * 20)
+    (tmp_path / "in" / "b.txt").write_bytes(b"\xef\xbb\xbf" + unicodedata.normalize("NFD", nfc).encode() * 20)
+    meta = prepare([str(tmp_path / "in")], tmp_path / "out", vocab_size=320, val_fraction=0.0, show_progress=False)
+    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype="<u2")
+    half = len(tokens) // 2
+    assert meta["train_documents"] == 80 and np.array_equal(tokens[:half], tokens[half:])
+
+
+def test_invalid_utf8_is_located_in_the_file(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(("linha boa\n" * 20_000).encode() + b"caf\xe9\n")  # past the first block text mode decodes
+    with pytest.raises(DataError) as info:
+        prepare([str(bad)], tmp_path / "out", vocab_size=300, show_progress=False)
+    assert "file is not valid UTF-8 (line 20001, byte 200,003 of the file)" in str(info.value)
+
+
 def test_bad_jsonl_line_is_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"texto": "sem campo"}\n')
@@ -104,7 +177,7 @@ def test_the_bundled_sample_is_what_prepare_makes_of_its_text(tmp_path):
     assert (tmp_path / "s" / "tokenizer.json").read_bytes() == (SAMPLE_DIR / "tokenizer.json").read_bytes()
     assert (tmp_path / "s" / "train.bin").read_bytes() == (SAMPLE_DIR / "train.bin").read_bytes()
     assert (tmp_path / "s" / "val.bin").read_bytes() == (SAMPLE_DIR / "val.bin").read_bytes()
-    assert meta["train_tokens"] == 12859 and meta["val_tokens"] == 1441
+    assert meta["train_tokens"] == 12879 and meta["val_tokens"] == 1421
 
 
 def make_old_layout(tmp_path, dataset_dir):
@@ -180,7 +253,7 @@ def test_batches_are_a_pure_function_of_seed_and_index(dataset_dir):
 def test_info_on_the_bundled_sample(capsys):
     assert main(["info", "--data", str(SAMPLE_DIR)]) == 0
     out = capsys.readouterr().out
-    assert "12,859 tokens, 25,718 bytes" in out and "max id 2,047" in out
+    assert "12,879 tokens, 25,758 bytes" in out and "max id 2,047" in out
 
 
 def test_info_model_size(capsys):

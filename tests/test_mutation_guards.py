@@ -571,6 +571,8 @@ def test_open_dataset_refuses_what_disagrees_with_meta_and_an_empty_train_bin(da
 
     tokens = meta["train_tokens"]
     assert problem_with(train_tokens=tokens + 1) == f"meta.json says {tokens + 1} train tokens but train.bin holds {tokens}"
+    val = meta["val_tokens"]  # val.bin cut short: evaluation would run on part of it, unsaid
+    assert problem_with(val_tokens=val + 1) == f"meta.json says {val + 1} val tokens but val.bin holds {val}"
     assert problem_with(vocab_size=401) == "meta.json says vocab_size 401 but the tokenizer has 400"
     (dataset_dir / "val.bin").unlink()
     (dataset_dir / "meta.json").write_text(json.dumps(meta))

@@ -232,7 +232,7 @@ def test_first_loss_on_the_bundled_sample_is_stable():
         assert main(["train", "--output", tmp, "--model-size", "tiny", "--seq-len", "64", "--batch-size", "4",
                      "--max-steps", "1", "--device", "cpu"]) == 0
         first = metrics(Path(tmp))[0]
-    assert first["loss"] == pytest.approx(7.6421, abs=1e-4)
+    assert first["loss"] == pytest.approx(7.6611, abs=1e-4)
     assert first["lr"] == pytest.approx(3e-3)
 
 

@@ -94,7 +94,7 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 def new_tokens_that_fit(max_positions: int | None, prompt_tokens: int, max_new_tokens: int) -> int:
     """--max-new-tokens, capped (and said) where the prompt and it would run past the model's
     positions; a prompt that fills them is refused: beyond them a model produces noise."""
-    if not max_positions or prompt_tokens + max_new_tokens <= max_positions:
+    if not isinstance(max_positions, int) or max_positions <= 0 or prompt_tokens + max_new_tokens <= max_positions:
         return max_new_tokens
     if prompt_tokens >= max_positions:
         raise ConfigError(f"the prompt has {prompt_tokens:,} tokens; the model takes {max_positions:,} in all "
@@ -106,24 +106,66 @@ def new_tokens_that_fit(max_positions: int | None, prompt_tokens: int, max_new_t
     return left
 
 
+def stop_ids(tokenizer, configured, chat: bool) -> set[int]:
+    """The tokens that end an answer: EOS, the model's generation_config.json eos_token_id(s)
+    (Llama-3.1-Instruct lists three), and in chat the chat template's end of a turn (ChatML's
+    <|im_end|>, Llama-3's <|eot_id|>): a model fine-tuned on such a template ends its answers with
+    that token, never with EOS."""
+    stops = {tokenizer.eos_token_id} - {None}
+    stops |= set(configured if isinstance(configured, list) else [configured] if isinstance(configured, int) else [])
+    if chat:
+        marker = "\u2063ptbr\u2063"  # a text no template adds anything to
+        try:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                                      {"role": "assistant", "content": marker}], tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses this conversation: EOS and the config's
+            rendered = ""
+        after = rendered.split(marker, 1)[1] if marker in rendered else ""
+        ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        if ids and (ids[0] in tokenizer.all_special_ids or getattr(added.get(ids[0]), "special", False)):
+            stops.add(ids[0])
+    return stops
+
+
+def decode_new(tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text of the new tokens as it reads after the prompt's: decoded together and the prompt's
+    text cut off, since a SentencePiece decoder (Llama, Mistral) drops the space that starts a
+    decoding ("▁um" alone decodes to "um": "Era uma vezum")."""
+    alone = tokenizer.decode(new, skip_special_tokens=True)
+    before = tokenizer.decode(prompt, skip_special_tokens=True)
+    together = tokenizer.decode(list(prompt) + list(new), skip_special_tokens=True)
+    return together[len(before):] if together.startswith(before) else alone
+
+
 def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
              chat: bool = False) -> str:
-    """torch: the continuation of `prompt`; with chat=True, the answer to `prompt` as a user message."""
+    """torch: the continuation of `prompt`; with chat=True, the answer to `prompt` as a user message.
+    The sampling is what the flags say: the model's own generation_config.json (a repetition
+    penalty, top_p) is not applied, as on MLX."""
     import torch
+    from transformers import GenerationConfig
 
-    ids = torch.tensor([prompt_ids(tokenizer, prompt, chat)], device=model.device)
+    prompt_list = prompt_ids(tokenizer, prompt, chat)
+    ids = torch.tensor([prompt_list], device=model.device)
     max_new_tokens = new_tokens_that_fit(getattr(model.config, "max_position_embeddings", None), ids.shape[1],
                                          max_new_tokens)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sampling = temperature > 0
-    options = {"do_sample": sampling, "max_new_tokens": max_new_tokens,
-               "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id}
+    stops = stop_ids(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None), chat)
+    config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, eos_token_id=sorted(stops),
+                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                              else min(stops, default=None))
     if sampling:
-        options.update(temperature=temperature, top_k=top_k)
+        config.temperature, config.top_k = temperature, top_k
+    # generate() fills what `config` leaves unset from the model's own generation config: a fresh one
+    # in its place, so that nothing of the shipped file (a penalty, top_p, an n-gram ban) comes in
+    model.generation_config = GenerationConfig()
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        output = model.generate(**inputs, **options)
-    return tokenizer.decode(output[0][inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        output = model.generate(**inputs, generation_config=config)
+    new = [int(t) for t in output[0][ids.shape[1]:] if int(t) not in stops]
+    return decode_new(tokenizer, prompt_list, new)
 
 
 def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> bool:
@@ -154,18 +196,21 @@ def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
     weights = args.adapter and adapter_as(args.adapter, "mlx", stack)
     model = mlx_generate.load_for_generation(Path(model_dir), Path(weights) if weights else None)
     ids = prompt_ids(tokenizer, args.prompt, chat)
-    max_new_tokens = new_tokens_that_fit(_max_positions(Path(model_dir)), len(ids), args.max_new_tokens)
-    new = mlx_generate.generate(model, ids, {tokenizer.eos_token_id}, max_new_tokens, args.temperature, args.top_k,
-                                args.seed)
-    return tokenizer.decode(new, skip_special_tokens=True), chat
+    max_new_tokens = new_tokens_that_fit(_model_config(Path(model_dir)).get("max_position_embeddings"), len(ids),
+                                         args.max_new_tokens)
+    configured = _model_config(Path(model_dir), "generation_config.json").get("eos_token_id")
+    new = mlx_generate.generate(model, ids, stop_ids(tokenizer, configured, chat), max_new_tokens, args.temperature,
+                                args.top_k, args.seed)
+    return decode_new(tokenizer, ids, new), chat
 
 
-def _max_positions(model_dir: Path) -> int | None:
+def _model_config(model_dir: Path, name: str = "config.json") -> dict:
+    """A JSON file of the model directory ({} where it is missing or unreadable)."""
     try:
-        value = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) else None
+        value = json.loads((model_dir / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def main(args) -> int:

@@ -56,31 +56,50 @@ def iter_documents(path: Path) -> Iterator[tuple[str, bool]]:
             yield from _iter_jsonl(path)
         else:
             yield from _iter_txt(path)
-    except UnicodeDecodeError as exc:
-        raise DataError(f"file is not valid UTF-8 (byte {exc.start})", str(path), "convert it to UTF-8") from exc
+    except UnicodeDecodeError:
+        line, byte = _first_invalid_utf8(path)
+        raise DataError(f"file is not valid UTF-8 (line {line}, byte {byte:,} of the file)", str(path),
+                        "convert it to UTF-8") from None
+
+
+def _first_invalid_utf8(path: Path) -> tuple[int, int]:
+    """Line number and byte offset (from 0) of the first byte that is not UTF-8. Text-mode reading
+    decodes in blocks, so its error's offset is within a block, not the file."""
+    offset, number = 0, 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return number, offset + exc.start
+            offset += len(raw)
+    return number, offset  # not reached where the file holds an invalid byte
 
 
 def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:
+    """Blank-line separated documents; one longer than MAX_CHUNK_CHARS is handed on in pieces, the
+    last of which ends it (an empty one where the document ended right after a full piece)."""
     lines: list[str] = []
     size = 0
-    with open(path, encoding="utf-8") as f:
+    unfinished = False  # a piece of a document went out, and its end has not
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
         for line in f:
             if not line.strip():
-                if lines:
+                if lines or unfinished:
                     yield "".join(lines).rstrip("\n"), True
-                    lines, size = [], 0
+                    lines, size, unfinished = [], 0, False
                 continue
             lines.append(line)
             size += len(line)
             if size >= MAX_CHUNK_CHARS:
                 yield "".join(lines), False
-                lines, size = [], 0
-    if lines:
+                lines, size, unfinished = [], 0, True
+    if lines or unfinished:
         yield "".join(lines).rstrip("\n"), True
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, bool]]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ptbr.config import DEFAULT_VOCAB_SIZE
+from ptbr.data import corpus
 from ptbr.data.corpus import find_corpus_files, iter_documents, iter_texts
 from ptbr.data.tokenizer import PAD_TOKEN, eos_id, load_tokenizer, train_tokenizer
 from ptbr.data.tokens import INCOMPLETE_MARKER
@@ -97,6 +98,9 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
                  "--vocab-size, gives a full vocabulary)")
     vocab = tokenizer.get_vocab_size()
     eos = eos_id(tokenizer, tokenizer_path or "the trained tokenizer")
+    # "<|endoftext|>" written in a text is text: as its bytes, not the document separator (nor the
+    # padding token); set after tokenizer.json is written, so that it stays the tokenizer's default
+    tokenizer.encode_special_tokens = True
     dtype = token_dtype(vocab)
 
     total_bytes = sum(f.stat().st_size for f in files)
@@ -105,7 +109,13 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
         texts: list[str] = []
         ends: list[bool] = []
         for path in files:
+            long_document = False
             for text, ends_document in iter_documents(path):
+                if not ends_document and not long_document and path.suffix.lower() == ".txt":
+                    long_document = True
+                    _log(f"warning: {path} holds a document of more than {corpus.MAX_CHUNK_CHARS:,} characters "
+                         "without a blank line: blank lines separate the documents of a .txt (for one document "
+                         "per line, write a .jsonl of {\"text\": ...} objects)")
                 texts.append(text)
                 ends.append(ends_document)
                 if len(texts) >= DOCS_PER_BATCH:
@@ -179,8 +189,11 @@ class _Counted:
 class _SplitWriter:
     """Streams tokenized documents into train.bin / val.bin of the staging directory.
 
-    A document goes to val while val is short of its share of tokens (rounded to the nearest
-    document); the pieces of a very long document all go where its first piece went.
+    A document goes to val when, before it, val holds less than its share of the tokens so far:
+    the choice never looks at the document itself, so val's documents are a sample of the corpus
+    (a rule that weighed each document's length filled val with headings and one-line dialogue).
+    The pieces of a very long document follow its first one, except that val takes no more pieces
+    once it holds its share: the rest of that document trains (its val part ends with EOS).
     """
 
     def __init__(self, output: Path, dtype: np.dtype, val_fraction: float):
@@ -196,15 +209,23 @@ class _SplitWriter:
     def write(self, encodings, ends: list[bool], eos: int) -> None:
         for encoding, ends_document in zip(encodings, ends, strict=True):
             ids = encoding.ids + [eos] if ends_document else encoding.ids
-            split = self.open_split or self._choose(len(ids))
-            self.files[split].write(np.asarray(ids, dtype=self.dtype).tobytes())
-            self.tokens[split] += len(ids)
-            self.documents[split] += int(ends_document)
+            split = self.open_split or self._choose()
+            if self.open_split == "val" and not self._val_short():
+                self._append("val", [eos], ends_document=True)  # val's part of the document ends here
+                split = "train"
+            self._append(split, ids, ends_document)
             self.open_split = None if ends_document else split
 
-    def _choose(self, length: int) -> str:
-        total = self.tokens["train"] + self.tokens["val"] + length
-        return "val" if self.tokens["val"] + length / 2 < self.val_fraction * total else "train"
+    def _append(self, split: str, ids: list[int], ends_document: bool) -> None:
+        self.files[split].write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self.tokens[split] += len(ids)
+        self.documents[split] += int(ends_document)
+
+    def _val_short(self) -> bool:
+        return self.tokens["val"] < self.val_fraction * (self.tokens["train"] + self.tokens["val"])
+
+    def _choose(self) -> str:
+        return "val" if self._val_short() else "train"
 
     def __exit__(self, *exc) -> None:
         for f in self.files.values():

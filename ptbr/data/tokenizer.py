@@ -13,10 +13,21 @@ SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2):
-    """Train a byte-level BPE tokenizer (GPT-2 style: no unknown tokens, any UTF-8 text round-trips)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Train a byte-level BPE tokenizer (GPT-2 style: no unknown tokens, any UTF-8 text round-trips),
+    normalising text to NFC first: "não" typed on macOS (NFD: a, then a combining tilde) is then
+    the same tokens as everywhere else, not five rarer ones."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)

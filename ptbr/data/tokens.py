@@ -124,8 +124,10 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
 
     train = load(train_path)
     val = load(directory / "val.bin")
-    if meta is not None and train is not None and meta.get("train_tokens") not in (None, len(train)):
-        problems.append(f"meta.json says {meta['train_tokens']} train tokens but train.bin holds {len(train)}")
+    for split, tokens in (("train", train), ("val", val)):  # cut short (or grown) since `ptbr prepare`
+        said = meta.get(f"{split}_tokens") if meta is not None else None
+        if said is not None and tokens is not None and said != len(tokens):
+            problems.append(f"meta.json says {said} {split} tokens but {split}.bin holds {len(tokens)}")
     if meta is None and train is not None:
         head = np.asarray(train[:QUICK_SCAN_TOKENS])
         if int(head.max()) >= vocab_size:

@@ -353,17 +353,17 @@ def _command(args) -> int:
     except PtbrError as exc:
         if debug:
             traceback.print_exc()
-        print(exc.one_line(), file=sys.stderr, flush=True)
+        _say(exc.one_line())
         return exc.exit_code
     except BrokenPipeError:
         raise  # our reader has gone: not a crash (main ends quietly)
     except KeyboardInterrupt as exc:
         from ptbr.errors import Interrupted, signal_of
 
-        print(Interrupted(f"stopped by {signal_of(exc)}", f"ptbr {args.command}",
-                          "run the same command again (a training run resumes from its last checkpoint)"
-                          if args.command in ("train", "finetune") else None).one_line(),
-              file=sys.stderr, flush=True)
+        _say(Interrupted(f"stopped by {signal_of(exc)}", f"ptbr {args.command}",
+                         "run the same command again (a training run resumes from its last checkpoint, where it "
+                         "saved one)" if args.command in ("train", "finetune") else
+                         "run the same command again").one_line())
         return Interrupted.exit_code
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line + a crash report
         if debug:
@@ -371,8 +371,23 @@ def _command(args) -> int:
         from ptbr.crash import write_crash_report
 
         report = write_crash_report(args, exc)
-        print(error_line(exc, str(report) if report else None, debug), file=sys.stderr, flush=True)
+        _say(error_line(exc, str(report) if report else None, debug))
         return 1
+
+
+def _say(line: str) -> None:
+    """The error line on stderr. Where stderr's reader has gone (`ptbr train 2>&1 | head`), the
+    line goes nowhere and the command keeps its own exit code (130 after a stop signal, say), not
+    141: a script that resumes on 130 must see 130."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 def filter_third_party_noise(debug: bool) -> None:

@@ -234,6 +234,29 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_one_checkpoint(tmp_path):
     assert f"resuming from {checkpoints[0]}" in again.stderr
 
 
+def test_sigterm_to_one_rank_stops_the_run_with_130_too(tmp_path):
+    """A stop signal to one worker (a cluster's scheduler, or `kill` on the wrong PID): every rank
+    saves the checkpoint and stops, and the run ends with 130. The launcher then stops the rank that
+    is still exiting, which may die of that SIGTERM (-15): that is no failure either (it made the
+    run's code 1, "a bug in ptbr")."""
+    import psutil
+
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "ptbr", "train", "--output", str(run), "--batch-size", "2",
+                                 "--num-processes", "2", *TINY, "--max-steps", "100000", "--save-every", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 240
+    while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    (rank1,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    rank1.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, err[-8000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by a stop signal to another rank at step ")
+    assert len(list((run / "checkpoints").iterdir())) == 1
+
+
 def test_a_failing_rank_s_exit_code_is_the_run_s(tmp_path):
     bad = ptbr("train", "--output", str(tmp_path / "run"), "--num-processes", "2", "--data", str(tmp_path / "nope"),
                *TINY)

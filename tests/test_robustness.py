@@ -308,8 +308,22 @@ def test_sigterm_before_training_starts_is_exit_130_with_a_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert last_line(err) == ("error: stopped by SIGTERM (ptbr train); fix: run the same command again (a training "
-                              "run resumes from its last checkpoint)")
+                              "run resumes from its last checkpoint, where it saved one)")
     assert not (out / "checkpoints").exists() and "Traceback" not in err
+
+
+def test_a_stopped_run_whose_stderr_reader_has_gone_still_ends_with_130(tmp_path):
+    """`ptbr train ... 2>&1 | head -8`, then a stop signal: the checkpoint is saved and the exit
+    code is 130, as a script that resumes on 130 expects (writing the stop line to the closed pipe
+    made it 141)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(out, "--max-steps", "100000", "--save-every", "0"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    proc.stderr.close()  # the reader is gone before the run writes anything
+    wait_for(lambda: metric_lines(out) >= 2 or proc.poll() is not None, what="two steps")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    assert len(list((out / "checkpoints").iterdir())) == 1
 
 
 @pytest.mark.slow

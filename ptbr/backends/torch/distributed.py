@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -199,15 +200,19 @@ def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> 
         return Interrupted.exit_code  # the workers were told, and saved their checkpoint
     except ChildFailedError as exc:
         # a rank that stopped with a documented code said why (rank 0 on this terminal: prefer it);
-        # the others were stopped by the launcher when the first one failed (its SIGTERM: 130)
-        stopped = Interrupted.exit_code
-        failed = {r: f for r, f in exc.failures.items() if f.exitcode != stopped}
+        # the others were stopped by the launcher when the first one ended (its SIGTERM: 130, or
+        # killed by it, -15, where it came as that rank was already exiting)
+        stopped = (Interrupted.exit_code, -signal.SIGTERM)
+        failed = {r: f for r, f in exc.failures.items() if f.exitcode not in stopped}
+        if not failed:  # a stop signal to one rank: every rank saved the checkpoint and stopped
+            return Interrupted.exit_code
         documented = {r: f for r, f in failed.items() if f.exitcode in EXIT_CODES and f.exitcode != 1}
-        first = min((failed or exc.failures).items(), key=lambda item: item[1].timestamp)
+        first = min(failed.items(), key=lambda item: item[1].timestamp)
         rank, failure = ((0, documented[0]) if 0 in documented else min(documented.items()) if documented else first)
         code = failure.exitcode if failure.exitcode in EXIT_CODES else 1
         if rank != 0:  # rank 0 was stopped before it could say anything: the failing rank's own line
-            where = next(iter(sorted(logs.rglob(f"{rank}/stderr.log"))), None)
+            # this launch's logs (LOGS/RUN_ID_*/attempt_0/RANK/), not an earlier session's
+            where = next(iter(sorted(logs.glob(f"{config.run_id}*/attempt_*/{rank}/stderr.log"))), None)
             said = [line for line in (where.read_text(errors="replace").splitlines() if where else [])
                     if line.startswith("error: ")]
             print(said[-1] if said else PtbrError(f"rank {rank} of {processes} stopped with exit code "

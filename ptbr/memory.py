@@ -51,6 +51,10 @@ QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "mlx4": 0.5 + 
 # their kernels loaded, measured at about 400 MiB (the baseline of benchmarks/memory_accuracy.py),
 # rounded up.
 RUNTIME_BYTES = {"cuda": 0, "cpu": 512 * MIB, "mps": 512 * MIB, "mlx": 512 * MIB}
+# The share of free memory a run is planned into (preflight's plans, --auto-fit's sizes): on a GPU
+# the allocator's own caching and fragmentation; on a CPU resident memory runs 10-42% above the
+# tensors the model counts (the allocator, the interpreter, torch's thread pools)
+USABLE_FRACTION = {"cuda": 0.9, "mps": 0.9, "mlx": 0.9, "cpu": 0.8}
 
 
 # config.json keys of models whose logits are more than the output layer's output (Gemma-2/3's

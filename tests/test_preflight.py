@@ -282,6 +282,41 @@ def test_preflight_writes_a_config_that_train_uses_as_is(tmp_path, capsys):
     assert json.loads((run / "training_summary.json").read_text())["steps"] == 2
 
 
+def test_a_precision_the_run_would_refuse_fails_preflight(tmp_path, capsys):
+    """`--precision fp16` on a machine without a GPU: `ptbr train` stops with exit 5, so preflight
+    must fail it too (it passed, planning fp32 in its place), and name what `auto` would run."""
+    from ptbr.cli import main
+    from ptbr.preflight import probe_hardware
+
+    out = tmp_path / "plan"
+    assert main(["preflight", "--mode", "pretrain", "--model-size", "tiny", "--seq-len", "64", "--precision", "fp16",
+                 "--device", "cpu", "--output", str(out)]) == 10
+    report = json.loads((out / "preflight_report.json").read_text())
+    (failed,) = [c for c in report["checks"] if c["status"] == FAIL]
+    auto = "bf16" if probe_hardware().cpu_bf16 else "fp32"
+    assert failed["name"] == "settings.precision" and failed["fix"] == f"use --precision {auto} or auto"
+    assert "--precision fp16 cannot run here (fp16 needs a CUDA GPU)" in failed["message"]
+    assert main(["train", "--model-size", "tiny", "--precision", "fp16", "--device", "cpu", "--max-steps", "1",
+                 "--output", str(tmp_path / "run")]) == 5
+
+
+def test_device_cuda_without_a_gpu_fails_without_a_memory_plan_for_it(tmp_path, capsys):
+    """No GPU: the accelerator check fails, and no memory check claims GiB "usable on cuda" (they
+    were 90% of the RAM)."""
+    from ptbr.cli import main
+    from ptbr.preflight import probe_hardware
+
+    if probe_hardware().gpus:
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "plan"
+    assert main(["preflight", "--mode", "pretrain", "--model-size", "tiny", "--device", "cuda",
+                 "--output", str(out)]) == 10
+    report = json.loads((out / "preflight_report.json").read_text())
+    assert [c["name"] for c in report["checks"] if c["status"] == FAIL] == ["hardware.accelerator"]
+    assert not [c for c in report["checks"] if c["name"].startswith("memory.")]
+    assert "usable on cuda" not in capsys.readouterr().out
+
+
 def test_a_broken_dataset_fails_preflight(tmp_path, capsys):
     from ptbr.cli import main
     from ptbr.data import SAMPLE_DIR
@@ -401,6 +436,24 @@ class FakeStep:
 
         if len(micro_batches[0]["input_ids"]) > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_auto_fit_on_cpu_plans_into_the_share_of_ram_preflight_plans_into(monkeypatch):
+    """--auto-fit's guard on CPU skips a size the memory model puts above 80% of the available RAM,
+    as preflight plans (resident memory runs above the model's tensors there): a size at 90% of it
+    was run, where the kernel may kill the process."""
+    from collections import namedtuple
+
+    import psutil
+
+    from ptbr.train.autofit import ram_guard
+
+    memory = namedtuple("memory", "total available percent used free")
+    too_big = ram_guard(lambda batch: batch * 900 * 2**20)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(2 << 30, 1000 * 2**20, 50.0, 0, 0))
+    assert "more than the 0.8 GiB planned for (80% of the 1.0 GiB of RAM available)" in too_big(1)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(2 << 30, 1200 * 2**20, 50.0, 0, 0))
+    assert too_big(1) is None and too_big(2) is not None
 
 
 def test_auto_fit_halves_until_a_step_fits():

@@ -189,6 +189,9 @@ def test_resume_from_an_earlier_checkpoint_sets_the_newer_ones_aside(tmp_path, c
     (previous,) = (out / "previous").iterdir()
     assert sorted(p.name for p in (previous / "checkpoints").iterdir()) == ["step_000004", "step_000006"]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    # the abandoned steps' metrics too: the resumed run cut its own back to step 2 before it went on
+    assert [r["step"] for r in metrics(previous)] == [1, 2, 3, 4, 5, 6]
+    assert metrics(previous) != metrics(out) and (previous / "metrics.csv").is_file()
 
 
 def test_max_steps_on_resume_continues_the_same_schedule(tmp_path, capsys):

@@ -105,7 +105,9 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
         checks += check_mlx_backend(hardware.apple_silicon)
 
     recommendation = None
-    if arch is not None:
+    # --device cuda without a GPU (hardware.accelerator fails): no GPU memory to plan into, and a plan
+    # into the RAM would read as one for the GPU
+    if arch is not None and not (target == "cuda" and not hardware.gpus):
         recommendation = recommend(hardware, settings, arch, max_positions=max_positions, examples=examples,
                                    longest=longest)
         checks += _memory_checks(recommendation, settings)
@@ -127,6 +129,11 @@ def _memory_checks(rec: Recommendation, settings: LoopSettings) -> list[Check]:
     key = seq_key(mode_of(settings))
     asked = rec.requested_estimate
     checks = []
+    if settings.precision not in ("auto", rec.settings.precision):  # the plan replaced it: the run refuses it
+        why = next((r for r in rec.reasons if r.startswith(f"precision {rec.settings.precision} instead of")), "")
+        checks.append(Check("settings.precision", FAIL, settings.precision,
+                            f"--precision {settings.precision} cannot run here ({why.split(': ', 1)[-1]}): the run "
+                            "would stop with exit 5", f"use --precision {rec.settings.precision} or auto"))
     value = {"target": rec.target, "budget": rec.budget, "predicted_peak": asked.total, "phase": asked.peak_phase}
     requested = (f"batch_size {settings.batch_size} x {rec.planned_seq} tokens"
                  f"{', gradient checkpointing' if settings.gradient_checkpointing else ''}")

@@ -14,14 +14,20 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ptbr.config import FinetuneConfig, LoopSettings
-from ptbr.memory import GIB, Architecture, MemoryEstimate, estimate_run, padded_length
+from ptbr.memory import (
+    GIB,
+    USABLE_FRACTION,
+    Architecture,
+    MemoryEstimate,
+    estimate_run,
+    padded_length,
+)
 from ptbr.precision import auto_precision
 from ptbr.preflight.hardware import Hardware
 
 # Share of the free memory a run may plan to use: the rest absorbs allocator overhead and model
 # error. On CPU, glibc keeps freed blocks resident: peak RSS measured 10-20% above the tensors for
 # the 85m and 400m presets (benchmarks/memory_accuracy.py, README), hence less there.
-USABLE_FRACTION = {"cuda": 0.9, "mps": 0.9, "mlx": 0.9, "cpu": 0.8}
 # Metal lets a process use about this share of unified memory when mlx cannot tell us the real limit
 METAL_SHARE = 2 / 3
 # A micro-batch of this many tokens keeps a GPU's matmuls busy: below it, gradient checkpointing
@@ -119,8 +125,9 @@ def choose_precision(hardware: Hardware, target: str, requested: str, reasons: l
         return "bf16"
     if target == "mlx" or requested == "fp32" or (requested == "bf16" and target == "cpu"):
         return requested
-    reasons.append(f"precision fp32 instead of {requested}: {requested} needs a CUDA GPU")
-    return "fp32"
+    fallback = choose_precision(hardware, target, "auto", [], mode)
+    reasons.append(f"precision {fallback} instead of {requested}: {requested} needs a CUDA GPU")
+    return fallback
 
 
 def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:

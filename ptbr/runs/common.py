@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 import traceback
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
 from ptbr.data.tokens import INCOMPLETE_MARKER
 from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, OutputError, PtbrError, error_line
-from ptbr.files import first_line, read_json, remove_leftovers, write_json
+from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
 from ptbr.log import attach_run_log, detach, log, to_file_only
 from ptbr.memory import Architecture, estimate_run
 from ptbr.report import INSTALL, matplotlib_installed, write_report
@@ -310,7 +311,13 @@ def _set_aside_other_checkpoints(run_dir: Path, chosen: Path, step: int) -> None
                  and (read_state(p) or {}).get("step", 0) > step]
         moved = move_previous_run(run_dir, newer) if newer else None
         if moved is not None:
-            log(f"resuming from step {step}: the {len(newer)} newer checkpoint(s) were moved to {moved}")
+            # the resumed run cuts its metrics back to `step`: the rows of the steps set aside go with them
+            for name in ("metrics.jsonl", "metrics.csv"):
+                if (run_dir / name).is_file():
+                    with writing("the metrics set aside", moved):
+                        shutil.copy2(run_dir / name, moved / name)
+            log(f"resuming from step {step}: the {len(newer)} newer checkpoint(s) were moved to {moved}, with a "
+                "copy of the metrics of every step so far")
     else:
         moved = move_previous_run(run_dir)
         if moved is not None:

@@ -194,6 +194,21 @@ def test_resume_from_an_earlier_checkpoint_sets_the_newer_ones_aside(tmp_path, c
     assert metrics(previous) != metrics(out) and (previous / "metrics.csv").is_file()
 
 
+def test_a_resume_at_another_micro_batch_evaluates_the_same_windows(tmp_path, capsys):
+    """batch 4 x grad_accum 1, resumed as 2 x 2 (the same effective batch, allowed): the validation
+    windows are the 8 the run started with (--eval-batches 2 x 4), not 2 x 2, so val_loss stays
+    comparable with the best one so far."""
+    out = tmp_path / "run"
+    assert train(out, "--max-steps", "2", "--save-every", "2", "--eval-every", "2", "--eval-batches", "2") == 0
+    assert "evaluation: 8 windows of val.bin (256 target tokens of its " in capsys.readouterr().err
+    shutil.rmtree(out / "final")
+    assert main(["train", "--output", str(out), *TINY[:4], "--batch-size", "2", "--grad-accum", "2", *TINY[6:],
+                 "--max-steps", "3", "--eval-every", "2", "--eval-batches", "2"]) == 0
+    err = capsys.readouterr().err
+    assert ("evaluation: 8 windows of val.bin (256 target tokens of its " in err
+            and "(as the run started; --eval-batches x the global micro-batch is 4 now)" in err), err
+
+
 def test_max_steps_on_resume_continues_the_same_schedule(tmp_path, capsys):
     """The schedule is fixed when the run starts (warmup 1 and cosine over 4 steps here): resumed
     with --max-steps 6, steps 5-6 train at the floor; the learning rate never jumps."""

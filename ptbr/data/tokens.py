@@ -225,12 +225,13 @@ class RandomWindows:
 
 
 def eval_windows(tokens: np.memmap, path: Path, batch_size: int, seq_len: int, vocab_size: int,
-                 max_batches: int) -> list[np.ndarray]:
-    """A fixed set of validation batches: evenly spaced windows, the same at every evaluation."""
+                 max_batches: int, windows: int | None = None) -> list[np.ndarray]:
+    """A fixed set of validation windows, evenly spaced, the same at every evaluation: `windows` of
+    them (default max_batches * batch_size), at most one per seq_len tokens, in batches of batch_size."""
     span = len(tokens) - seq_len
     if span <= 0:
         return []
-    count = min(max_batches * batch_size, max(1, span // seq_len))
+    count = min(windows if windows is not None else max_batches * batch_size, max(1, span // seq_len))
     starts = np.linspace(0, span - 1, num=count).astype(np.int64)
     return [read_windows(tokens, path, starts[i:i + batch_size], seq_len, vocab_size)
             for i in range(0, count, batch_size)]

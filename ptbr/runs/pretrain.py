@@ -109,11 +109,23 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     })
 
     eval_batches = None
+    # the validation windows the run started with, for its whole life: a resume at another micro-batch
+    # (the same effective batch), or --auto-fit's smaller one, would otherwise evaluate another set
+    # than the one its best val_loss was measured on
+    default = settings.eval_batches * settings.batch_size * world.size
+    recorded = ((resume.state or {}).get("run") or {}).get("eval_windows")
+    planned = recorded if isinstance(recorded, int) and recorded > 0 else default
     if dataset.val is not None:
         # global batches (every rank's rows): the same evaluation at any number of processes
         windows = eval_windows(dataset.val, dataset.val_path, settings.batch_size * world.size, settings.seq_len,
-                               dataset.vocab_size, settings.eval_batches)
+                               dataset.vocab_size, settings.eval_batches, planned)
         eval_batches = [windows_to_batch(w) for w in windows] or None
+        if eval_batches:
+            count = sum(len(w) for w in windows)
+            log(f"evaluation: {count} windows of val.bin ({count * settings.seq_len:,} target tokens of its "
+                f"{len(dataset.val):,}), the same every time"
+                + (f" (as the run started; --eval-batches x the global micro-batch is {default} now)"
+                   if planned != default else ""))
     if eval_batches is None:
         why = (dataset.val is not None and val_too_short(len(dataset.val), settings.seq_len)) or "there is no val.bin"
         log(f"warning: no validation: {why} ({dataset.val_path}); training without evaluation "
@@ -121,7 +133,8 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
 
     started = time.monotonic()
     schedule = resume.schedule or Schedule.from_settings(settings)
-    state = fit(step, source, eval_batches, settings, run_dir, state, schedule, {"run": {"identity": run_identity}},
+    state = fit(step, source, eval_batches, settings, run_dir, state, schedule,
+                {"run": {"identity": run_identity, "eval_windows": planned}},
                 watchdog=watchdog, world=world)
     watchdog.beat("writing final/")
 

@@ -125,7 +125,7 @@ class LoopSettings:
     beta1: float = setting(0.9, "AdamW beta1.")
     beta2: float = setting(0.95, "AdamW beta2.")
     max_grad_norm: float = setting(1.0, "Gradient clipping norm (0 disables clipping).")
-    save_every: int = setting(500, "Save a checkpoint every N steps (and always at the end).")
+    save_every: int = setting(500, "Save a checkpoint every N steps, at the end and when stopped (0: only then).")
     eval_every: int = setting(250, "Evaluate on the validation set every N steps (0: only at the end).")
     eval_batches: int = setting(20, "Fixed number of validation batches per evaluation.")
     log_every: int = setting(10, "Print a plain log line every N steps when not on a terminal.")
@@ -275,7 +275,7 @@ class FinetuneConfig(LoopSettings):
     output: str = setting("runs/finetune", "Run directory: checkpoints, adapters (the best by val_loss), metrics.")
     max_steps: int | None = setting(None, "Optimizer steps to train for (default: epochs x steps per epoch).")
     eval_batches: int | None = setting(None, "Validation batches per evaluation (default: the whole validation set).")
-    save_every: int = setting(100, "Save a checkpoint every N steps (and always at the end).")
+    save_every: int = setting(100, "Save a checkpoint every N steps, at the end and when stopped (0: only then).")
     eval_every: int = setting(50, "Evaluate on the validation set every N steps (0: only at the end); the best adapter is kept.")
     base: str | None = setting(None, "Base model: a local Hugging Face directory (a Hugging Face Hub id with --download).")
     download: bool = setting(False, "Allow --base to be a Hugging Face Hub id, downloaded when not cached (needs "
@@ -397,10 +397,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a JSON or YAML settings file (keys in snake_case)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}", "--config", "give the path of an existing JSON or YAML file")
+        what = "is a directory, not a file" if path.is_dir() else "not found"
+        raise ConfigError(f"config file {what}: {path}", "--config", "give the path of an existing JSON or YAML file")
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"a config file is .json, .yaml or .yml, not {suffix or 'a file without a suffix'}",
+                          str(path), "rename it to its format's suffix (the suffix chooses the parser)")
     try:
         text = path.read_text(encoding="utf-8")
-        if path.suffix.lower() in (".yaml", ".yml"):
+        if suffix in (".yaml", ".yml"):
             import yaml
 
             data = yaml.safe_load(text)
@@ -408,8 +413,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = json.loads(text)
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"cannot parse config file: {first_line}", str(path),
-                          "fix the JSON/YAML syntax (the file must be UTF-8 text)") from exc
+        mark = getattr(exc, "problem_mark", None)  # YAML's: where it stopped (JSON's message says it)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None)
+        raise ConfigError(f"cannot parse config file: {first_line}{': ' + problem if problem else ''}{where}", str(path),
+                          f"fix the {'YAML' if suffix != '.json' else 'JSON'} syntax there (the file must be UTF-8 "
+                          "text)") from exc
     if not isinstance(data, dict):
         raise ConfigError("config file must hold a mapping of settings", str(path), "write key: value pairs")
     return data

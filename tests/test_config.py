@@ -71,6 +71,23 @@ def test_wrong_type_in_config(tmp_path):
         parse_train(["--config", str(config)])
 
 
+def test_a_config_file_that_cannot_be_read_says_where_and_why(tmp_path):
+    """YAML's errors name the line and column (JSON's message does already); a suffix other than
+    .json/.yaml/.yml is named (a YAML file called .txt was parsed as JSON: "Expecting value");
+    a directory is not "not found"."""
+    cases = {"bad.yaml": ("batch_size: [1, 2\nlr: 3\n", "expected ',' or ']', but got ':' at line 2, column 3"),
+             "run.txt": ("batch_size: 2\n", "a config file is .json, .yaml or .yml, not .txt"),
+             "bad.json": ('{"batch_size": 2,}', "Expecting property name enclosed in double quotes: line 1 column 18")}
+    for name, (text, said) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=None) as info:
+            parse_train(["--config", str(tmp_path / name)])
+        assert said in info.value.what, info.value.what
+    with pytest.raises(ConfigError) as info:
+        parse_train(["--config", str(tmp_path)])
+    assert info.value.what == f"config file is a directory, not a file: {tmp_path}"
+
+
 @pytest.mark.parametrize("name,target", [("85m", 85e6), ("400m", 400e6), ("800m", 800e6)])
 def test_preset_parameter_counts_within_ten_percent_at_32k(name, target):
     count = PRESETS[name].param_count(32000)

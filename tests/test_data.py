@@ -163,6 +163,23 @@ def test_invalid_utf8_is_located_in_the_file(tmp_path):
     assert "file is not valid UTF-8 (line 20001, byte 200,003 of the file)" in str(info.value)
 
 
+def test_prepare_says_it_replaces_a_dataset_and_leaves_no_empty_directory(tmp_path, corpus_dir, capsys):
+    """Into an existing dataset: said (its files are replaced when the new one is complete). A first
+    prepare that fails leaves no empty directory; an output that is a file is named as one."""
+    out = tmp_path / "ds"
+    prepare([str(corpus_dir)], out, vocab_size=300, show_progress=False)
+    capsys.readouterr()
+    prepare([str(corpus_dir)], out, vocab_size=300, show_progress=False)
+    assert f"replacing the dataset in {out}" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(DataError):
+        prepare([str(empty)], tmp_path / "new", vocab_size=300, show_progress=False)
+    assert not (tmp_path / "new").exists()
+    assert main(["prepare", "--input", str(corpus_dir), "--output", str(empty)]) == 6
+    assert "error: the output path is a file, not a directory" in capsys.readouterr().err
+
+
 def test_bad_jsonl_line_is_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"texto": "sem campo"}\n')

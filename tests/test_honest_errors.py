@@ -220,3 +220,19 @@ def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):
     assert main(["smoke", "--output", str(run)]) == 9
     assert "already holds other files" in last_error(capsys)
     assert [p.name for p in run.iterdir()] == ["train.log"]
+
+
+def test_a_run_that_fails_before_it_starts_leaves_no_directory_it_made(toy, tmp_path, capsys):
+    """A run refused for its data (or a checkpoint, a setting found late) made its --output only to
+    hold its log and lock: left behind, `ptbr monitor` read it as a run that had started. A
+    directory that was there before keeps its train.log, with the error line in it."""
+    new = tmp_path / "new"
+    assert main(["train", "--data", str(tmp_path / "nope"), "--output", str(new), "--model-size", "tiny"]) == 3
+    assert not new.exists()
+    assert main(["finetune", "--base", str(toy.base), "--data", str(tmp_path / "nope.jsonl"), "--output",
+                 str(new)]) == 3
+    assert not new.exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    assert main(["train", "--data", str(tmp_path / "nope"), "--output", str(there), "--model-size", "tiny"]) == 3
+    assert "error: data directory not found" in (there / "train.log").read_text()

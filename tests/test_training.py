@@ -328,7 +328,11 @@ def test_a_warmup_longer_than_the_run_is_a_warning(tmp_path, capsys):
     assert ("warning: --warmup-steps 3 is more than --max-steps 2: the learning rate rises for the whole run and "
             "never reaches its peak (--learning-rate)") in capsys.readouterr().err
     assert main([*args, "--output", str(tmp_path / "equal"), "--warmup-steps", "2"]) == 0  # the peak at the end
-    assert "--warmup-steps" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--warmup-steps" not in err and "--fsdp" not in err
+    assert main([*args, "--output", str(tmp_path / "fsdp"), "--fsdp"]) == 0  # one process: nothing to shard
+    assert "warning: --fsdp shards the model over the processes of a data-parallel run; in one process it changes " \
+           "nothing" in capsys.readouterr().err
 
 
 def test_bad_token_in_training_data_names_file_and_offset(tmp_path, dataset_dir, capsys):

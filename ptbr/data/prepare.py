@@ -58,18 +58,32 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     if run:
         raise OutputError(f"the output directory holds a training run ({run[0]}), not a dataset", str(output),
                           "give the dataset a directory of its own with --output (e.g. data/NAME)")
+    if output.exists() and not output.is_dir():
+        raise OutputError("the output path is a file, not a directory", str(output),
+                          "give the dataset a directory of its own with --output (e.g. data/NAME)")
+    created = not output.exists()
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create the output directory: {exc.strerror or exc}", str(output),
                           "choose a path you can write to with --output") from exc
     remove_leftovers(output)
+    if (output / "meta.json").is_file():
+        _log(f"replacing the dataset in {output} (its files stay as they are until the new one is complete)")
     stage = output / f".tmp-prepare-{os.getpid()}"
     try:
         with writing("the dataset", output):
             stage.mkdir()
             meta = _write_dataset(files, stage, tokenizer, tokenizer_path, vocab_size, val_fraction, show_progress)
             _swap_in(stage, output)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created:  # a failed or stopped first prepare leaves no empty directory behind
+            try:
+                output.rmdir()
+            except OSError:
+                pass
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     _log(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({meta['dtype']}, vocab "

@@ -36,7 +36,7 @@ from ptbr.train.checkpoint import (
     read_state,
     why_incomplete,
 )
-from ptbr.train.lock import RunLock
+from ptbr.train.lock import LOCK_FILE, RunLock
 from ptbr.train.loop import LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule
@@ -112,6 +112,7 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
     held: dict = {}
 
     def open_on_main() -> str:
+        held["created"] = not Path(settings.output).exists()
         run_dir = create_run_dir(settings.output)
         held["lock"] = RunLock(run_dir).acquire()
         remove_leftovers(run_dir)  # writes cut short by a crash (we hold the lock)
@@ -123,18 +124,32 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
                 log(f"--resume never: starting over; the previous run's files were moved to {moved}")
         return str(run_dir)
 
+    stopped_before_any_work = False
     try:
         run_dir = Path(world.decide(open_on_main))
         yield run_dir
     except BaseException as exc:
         if "log" in held and not isinstance(exc, SystemExit):
             to_file_only(held["log"], error_line(exc, "crash_report.txt in this directory"))
+        # a user's error (bad data, a checkpoint refused) or a stop before the run wrote anything: the
+        # directory this run made holds only its log and lock, and would read as a run that started
+        stopped_before_any_work = isinstance(exc, PtbrError | KeyboardInterrupt) and held.get("created", False)
         raise
     finally:
         if "log" in held:
             detach(held["log"])
         if "lock" in held:
             held["lock"].release()
+        if stopped_before_any_work:
+            _remove_if_only_its_log(Path(settings.output))
+
+
+def _remove_if_only_its_log(run_dir: Path) -> None:
+    try:
+        if {p.name for p in run_dir.iterdir()} <= {"train.log", LOCK_FILE}:
+            shutil.rmtree(run_dir)
+    except OSError:
+        pass  # left as it is: the error line said what went wrong
 
 
 @contextmanager
@@ -435,7 +450,7 @@ def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict,
     }
     write_json(run_dir / "training_summary.json", summary, "training_summary.json")
     write_run_report(run_dir)
-    line = f"done: {state.step} steps"
+    line = f"done: {state.step} step{'s' if state.step != 1 else ''}"
     if summary["final_loss"] is not None:
         line += f", final loss {summary['final_loss']:.4f}"
     if state.best_val_loss is not None:

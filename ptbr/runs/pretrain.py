@@ -84,6 +84,9 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     resume = find_resume(run_dir, settings, run_identity, world)
     log(describe_placement(backend, settings))
     warn_if_warmup_outlasts_the_run(settings)
+    if settings.fsdp and world.size == 1:
+        log("warning: --fsdp shards the model over the processes of a data-parallel run; in one process it "
+            "changes nothing (--num-processes N starts N)")
 
     if settings.auto_fit:
         settings = _auto_fit(settings, backend, dataset, preset)

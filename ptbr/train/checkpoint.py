@@ -139,7 +139,7 @@ def complete_checkpoints(run_dir: Path, quiet: bool = False) -> list[Path]:
         if read_state(path) is not None:
             found.append(path)
         elif not quiet:
-            log(f"skipping incomplete or corrupt checkpoint {path}")
+            log(f"warning: skipping incomplete or corrupt checkpoint {path}")
     return found
 
 

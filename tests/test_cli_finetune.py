@@ -159,3 +159,26 @@ def test_a_chat_model_stops_at_its_template_s_end_of_turn():
 
     assert use_default_chat_template(tokenizer)
     assert stop_ids(tokenizer, None, chat=True) == {tokenizer.eos_token_id}
+
+
+def test_a_fine_tuning_run_s_directory_given_as_the_model_says_how_to_use_it(toy, trained, tmp_path, capsys):
+    """Without --merge a fine-tuning run holds adapters/ only: generate --model RUN names the base and
+    the adapter to give instead (a pretraining run's directory names its final/)."""
+    run = tmp_path / "ft"
+    shutil.copytree(trained / "adapters", run / "adapters")
+    assert main(["generate", "--model", str(run), "Oi"]) == 4
+    assert capsys.readouterr().err.strip().endswith(
+        f"fix: this is a fine-tuning run's directory: give its base and its adapter (--model {toy.base} --adapter "
+        f"{run / 'adapters'} for generate; --base and --adapter for merge)")
+
+
+def test_an_adapter_trained_on_a_quantized_base_is_said_to_be_applied_to_the_base_as_given(toy, trained, tmp_path,
+                                                                                            capsys):
+    adapter = tmp_path / "adapters"
+    shutil.copytree(trained / "adapters", adapter)
+    meta = json.loads((adapter / "ptbr_adapter.json").read_text())
+    (adapter / "ptbr_adapter.json").write_text(json.dumps(meta | {"quant": "4bit"}))
+    assert main(["generate", "--model", str(toy.base), "--adapter", str(adapter), "Oi", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 0
+    assert "note: the adapter was trained on the base quantized (4bit); it is applied to --model as given" \
+        in capsys.readouterr().err

@@ -180,6 +180,17 @@ def test_prepare_says_it_replaces_a_dataset_and_leaves_no_empty_directory(tmp_pa
     assert "error: the output path is a file, not a directory" in capsys.readouterr().err
 
 
+def test_a_file_given_as_the_data_directory_gets_the_fix_for_that_file(tmp_path, dataset_dir):
+    with pytest.raises(DataError) as info:
+        open_dataset(dataset_dir / "train.bin")
+    assert info.value.fix == f"give the directory that holds it: --data {dataset_dir}"
+    chat = tmp_path / "train.jsonl"
+    chat.write_text('{"text": "oi"}\n')
+    with pytest.raises(DataError) as info:
+        open_dataset(chat)
+    assert info.value.fix.startswith("a .jsonl is fine-tuning data (`ptbr finetune --data`)")
+
+
 def test_bad_jsonl_line_is_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"texto": "sem campo"}\n')

@@ -265,6 +265,16 @@ def test_a_failing_rank_s_exit_code_is_the_run_s(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+def test_more_processes_than_cores_is_a_warning(tmp_path):
+    import os
+
+    cores = os.cpu_count() or 1
+    run = ptbr("train", "--output", str(tmp_path / "run"), "--num-processes", str(cores + 1), "--data",
+               str(tmp_path / "nope"), *TINY)
+    assert run.returncode == 3
+    assert f"warning: {cores + 1} processes on {cores} CPU cores: each rank gets a fraction of a core" in run.stderr
+
+
 def test_num_processes_auto_on_a_machine_without_gpus_runs_one(tmp_path):
     run = ptbr("train", "--output", str(tmp_path / "run"), "--num-processes", "auto", "--batch-size", "2", *TINY,
                "--max-steps", "1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from ptbr.config import PRESETS, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError, collect
@@ -20,8 +21,6 @@ def settings_from_args(cls: type, args: argparse.Namespace):
 def processes_to_launch(settings) -> int:
     """How many workers `--num-processes` asks ptbr to start; 1: run in this process. Inside a
     worker (torchrun, `accelerate launch`, or ptbr's own launch) the launcher has already decided."""
-    import os
-
     from ptbr.backends import resolve_name
 
     inside = os.environ.get("WORLD_SIZE")
@@ -79,11 +78,17 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
         check_compile(None, processes)  # refused here, before any worker starts
     from pathlib import Path
 
-    from ptbr.backends.torch.distributed import launch
+    from ptbr.backends.torch.distributed import launch, visible_gpus
     from ptbr.log import log
 
     logs = Path(settings.output) / "workers"
     log(f"starting {processes} data-parallel processes (rank 0 reports here; the others log to {logs})")
+    gpus, cores = visible_gpus(), os.cpu_count() or 1
+    if gpus and processes > gpus:
+        log(f"warning: {processes} processes on {gpus} GPU(s): ranks share a GPU (one process per GPU is the usual)")
+    elif not gpus and processes > cores:
+        log(f"warning: {processes} processes on {cores} CPU cores: each rank gets a fraction of a core, and the run "
+            "is slower than with fewer (on a CPU, data parallelism is for testing a multi-GPU setup)")
     return launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
 
 

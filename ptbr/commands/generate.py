@@ -233,6 +233,11 @@ def main(args) -> int:
     quiet_transformers()
     from ptbr.backends import resolve_name
 
+    trained_on = read_adapter_meta(adapter_files(args.adapter)).get("quant") if args.adapter else None
+    if trained_on in ("4bit", "8bit"):
+        log(f"note: the adapter was trained on the base quantized ({trained_on}); it is applied to --model as given, "
+            "as `ptbr merge` does, so answers can differ a little from the model training measured")
+
     with ExitStack() as stack:
         if resolve_name(args.backend) == "mlx":
             text, chat = generate_mlx(args, stack)

@@ -75,8 +75,13 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     directory = Path(directory)
     if not directory.is_dir():
         what = "is a file, not a directory" if directory.exists() else "not found"
-        raise DataError(f"data directory {what}: {directory}", "--data",
-                        "give the directory written by `ptbr prepare` (train.bin, val.bin, meta.json)")
+        fix = "give the directory written by `ptbr prepare` (train.bin, val.bin, meta.json)"
+        if directory.is_file() and directory.suffix == ".bin":
+            fix = f"give the directory that holds it: --data {directory.parent}"
+        elif directory.is_file() and directory.suffix == ".jsonl":
+            fix = ("a .jsonl is fine-tuning data (`ptbr finetune --data`); to pretrain on its texts, run "
+                   f"`ptbr prepare --input {directory} --output DIR` first")
+        raise DataError(f"data directory {what}: {directory}", "--data", fix)
     if (directory / INCOMPLETE_MARKER).exists():
         raise DataError("a `ptbr prepare` into this directory did not finish: its files are incomplete", str(directory),
                         "run the same `ptbr prepare` again")

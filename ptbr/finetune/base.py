@@ -50,6 +50,11 @@ def check_base(base: str, download: bool = False, what: str = "base model") -> N
                              "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
         if not (path / "config.json").is_file():
             fix = "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
+            if (path / "adapters" / "adapter_config.json").is_file():  # a fine-tuning run without --merge
+                named = _adapter_base(path / "adapters")
+                fix = (f"this is a fine-tuning run's directory: give its base and its adapter (--model "
+                       f"{named or 'BASE'} --adapter {path / 'adapters'} for generate; --base and --adapter for "
+                       "merge)")
             for inside in ("final", "merged"):  # a run's directory: its model is inside
                 if (path / inside / "config.json").is_file():
                     fix = f"this is a run's directory: give its model, {path / inside}"

@@ -137,15 +137,31 @@ def checkpoint_layers(model) -> int:
     """Gradient checkpointing: each decoder layer of this model recomputes its activations in the
     backward pass. Only these layer instances change (each gets a subclass of its class whose
     __call__ runs under mx.checkpoint); other models, and the library's classes, are untouched,
-    and parameter names stay the same. Returns the number of layers."""
-    import mlx.core as mx
+    and parameter names stay the same. Returns the number of layers.
 
+    The recomputation calls the layer again, and a dropout inside it (LoRA's) would draw other masks
+    from MLX's global generator, which has moved on: the gradients would belong to another loss than
+    the one computed (torch restores its generator for the recomputation). So each call of a layer
+    draws keys from the global generator once, outside the recomputed part, and its dropouts make
+    their masks from those keys, the same in the forward pass and in the recomputation."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    keyed = _keyed_dropout_class()
     subclasses: dict[type, type] = {}
     for layer in model.layers:
+        for _, module in layer.named_modules():
+            if type(module) is nn.Dropout:
+                module.__class__ = keyed
         base = type(layer)
         if base not in subclasses:
             def __call__(self, *args, _base=base, **kwargs):
+                dropouts = [m for _, m in self.named_modules() if isinstance(m, keyed)]
+                keys = mx.random.split(_fresh_key(), len(dropouts)) if dropouts else []
+
                 def run(params, *inner):
+                    for index, module in enumerate(dropouts):
+                        module._key = keys[index]  # private (underscore): never a parameter
                     self.update(params)
                     return _base.__call__(self, *inner, **kwargs)
 
@@ -154,3 +170,31 @@ def checkpoint_layers(model) -> int:
             subclasses[base] = type(f"Checkpointed{base.__name__}", (base,), {"__call__": __call__})
         layer.__class__ = subclasses[base]
     return len(model.layers)
+
+
+def _fresh_key():
+    """A key drawn from MLX's global generator (so that a seeded run stays reproducible)."""
+    import mlx.core as mx
+
+    return mx.random.randint(0, 2**31 - 1, (2,)).astype(mx.uint32)
+
+
+def _keyed_dropout_class():
+    """nn.Dropout whose mask comes from the key its checkpointed layer set for this call."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    global _KeyedDropout
+    if _KeyedDropout is None:
+        class KeyedDropout(nn.Dropout):
+            def __call__(self, x):
+                if self._p_1 == 1 or not self.training:
+                    return x
+                mask = mx.random.bernoulli(self._p_1, x.shape, key=self.get("_key"))
+                return (mask * x) * (1 / self._p_1)
+
+        _KeyedDropout = KeyedDropout
+    return _KeyedDropout
+
+
+_KeyedDropout = None

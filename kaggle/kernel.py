@@ -49,11 +49,15 @@ from pathlib import Path
 # OWNER/SLUG of the bundle this kernel runs; `ptbr kaggle bundle` writes it on this line. Empty:
 # whichever single bundle is attached.
 BUNDLE_ID = ""
+# the sha256 of that bundle's ptbr-bundle.json (which lists every file's sha256): another version of
+# the dataset (still processing on Kaggle, or an older one) is refused. Empty: not checked.
+BUNDLE_SHA256 = ""
 
 # These names are ptbr's (ptbr/kaggle/layout.py); tests/test_kaggle.py keeps the two in step.
 BUNDLE_MARKER = "ptbr-bundle.json"
 RUN_MARKER = "ptbr-kaggle-run.json"
 RUN_DIR = "run"
+HASHED_UP_TO = 64 << 20  # files checked by sha256 besides the wheels (settings, tokenizer; not GBs of data)
 # How deep under /kaggle/input a marker may lie: SLUG/marker, datasets/OWNER/SLUG/marker, and a
 # level or two more for layouts Kaggle may adopt.
 SEARCH_DEPTH = 5
@@ -85,6 +89,11 @@ def main() -> int:
         stage = "bundle"
         bundle, info = find_bundle(inputs, BUNDLE_ID)
         record["bundle"] = info["id"]
+        if BUNDLE_SHA256 and sha256(bundle / BUNDLE_MARKER) != BUNDLE_SHA256:
+            raise StageFailed(f"the bundle attached at {bundle} is another version of {info['id']} than the one this "
+                              "kernel was made with: Kaggle may still be processing the dataset's new version, or "
+                              "only the kernel was pushed; run `ptbr kaggle push BUNDLE` (the dataset too), and "
+                              "`ptbr kaggle status` until it runs")
         folders = check_bundle(bundle, info, Path(tempfile.gettempdir()) / "ptbr-bundle")
         log(f"{stage}: {info['id']} at {bundle} (ptbr {info['ptbr_version']}, {info['mode']}, "
             f"{len(info['files'])} files checked)")
@@ -115,9 +124,16 @@ def main() -> int:
         stage = "train"
         command = "train" if info["mode"] == "pretrain" else "finetune"
         budget = float(info["stop_after_s"]) - (time.monotonic() - started)
+        saved_before = newest_checkpoint_step(run_dir)
+        record["stages"][stage] = "running"
+        write_record(working, record)  # a session killed outright (12 h, out of RAM) still leaves its marker
         code, stopped_by_budget = train(stage, [sys.executable, "-m", "ptbr", command, *paths, "--resume", "auto"],
                                         env, budget)
         record["train_exit_code"] = code
+        saved = newest_checkpoint_step(run_dir)
+        if code == EXIT_INTERRUPTED and stopped_by_budget and (saved is None or saved == saved_before):
+            raise StageFailed(f"ptbr stopped for the time budget but wrote no new checkpoint (newest: step {saved}): "
+                              "this session's steps are lost; lower --stop-after-hours to leave more time to save")
         if code == 0:
             log(f"{stage}: done; the run is in {run_dir}")
             record["stages"][stage] = "ok"
@@ -231,7 +247,7 @@ def check_bundle(bundle: Path, info: dict, scratch: Path) -> dict[str, Path]:
             problems.append(f"{relative} is missing")
         elif path.stat().st_size != expected["bytes"]:
             problems.append(f"{relative} has {path.stat().st_size} bytes, not {expected['bytes']}")
-        elif relative.endswith(".whl") and sha256(path) != expected["sha256"]:
+        elif (relative.endswith(".whl") or expected["bytes"] <= HASHED_UP_TO) and sha256(path) != expected["sha256"]:
             problems.append(f"{relative} does not match its sha256")
     if problems:
         raise StageFailed(f"the bundle at {bundle} is incomplete: {'; '.join(problems[:5])}"
@@ -396,7 +412,11 @@ def train(stage: str, command: list[str], env: dict[str, str], budget_s: float) 
         if not stop.is_set():
             stop.set()
             log(f"{stage}: got {signal.Signals(signum).name}: asking ptbr to save a checkpoint and stop")
-            child.send_signal(signal.SIGTERM)
+            for pid in ptbr_workers(child.pid) or [child.pid]:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def out_of_time() -> None:
         if not stop.is_set():
@@ -419,6 +439,32 @@ def train(stage: str, command: list[str], env: dict[str, str], budget_s: float) 
 
 
 # --- outputs -------------------------------------------------------------------------------------------
+
+
+def ptbr_workers(launcher: int) -> list[int]:
+    """The `python -m ptbr` processes that ptbr's launcher started (data parallelism), else none.
+    The stop signal goes to them, not to the launcher: torch's launcher, signalled, signals its
+    workers and kills them 30 s later (Kaggle's torch has no setting for that), which the last
+    step and a large checkpoint outlast; the workers stop together, and the launcher then exits 130."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            parent = int(stat[stat.rindex(")") + 2:].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if parent == launcher and b"-m" in command and b"ptbr" in command:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def newest_checkpoint_step(run_dir: Path) -> int | None:
+    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")
+             if p.name.split("_")[1].isdigit() and (p / "trainer_state.json").is_file()]
+    return max(steps, default=None)
 
 
 def write_record(working: Path, record: dict) -> None:

@@ -7,6 +7,7 @@ ended by SIGTERM, and the next version resuming from the first one's output."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
@@ -94,6 +95,7 @@ def test_the_kernel_script_ptbr_and_the_build_script_agree():
         assert getattr(KERNEL, name) == getattr(layout, name), name
     assert BUILD.KAGGLE_PYTHON == layout.KAGGLE_PYTHON == BUILD.LOCKS["kaggle"].python
     assert (ROOT / "kaggle" / "kernel.py").read_text().count('BUNDLE_ID = ""\n') == 1
+    assert (ROOT / "kaggle" / "kernel.py").read_text().count('BUNDLE_SHA256 = ""\n') == 1
 
 
 @pytest.mark.slow  # a bundle (wheels from the cache or the index) or a new virtual environment
@@ -126,8 +128,12 @@ def test_a_pretraining_bundle_holds_the_locked_wheels_without_torch_and_no_local
     settings = json.loads((dataset / layout.SETTINGS_FILE).read_text())
     assert settings == {**TINY, "keep_last": 2}, "the config's own num_processes is kept"
     script = (kernel / layout.KERNEL_FILE).read_text()
-    assert f'BUNDLE_ID = "{KERNEL_ID}"\n' in script
-    assert script.replace(f'BUNDLE_ID = "{KERNEL_ID}"\n', 'BUNDLE_ID = ""\n') == (ROOT / "kaggle" / "kernel.py").read_text()
+    marker_sha = BUILD.sha256(dataset / layout.BUNDLE_MARKER)
+    filled = {f'BUNDLE_ID = "{KERNEL_ID}"\n': 'BUNDLE_ID = ""\n', f'BUNDLE_SHA256 = "{marker_sha}"\n': 'BUNDLE_SHA256 = ""\n'}
+    for line, placeholder in filled.items():
+        assert line in script
+        script = script.replace(line, placeholder)
+    assert script == (ROOT / "kaggle" / "kernel.py").read_text()
     metadata = json.loads((kernel / layout.KERNEL_METADATA).read_text())
     assert metadata["enable_internet"] is False and metadata["enable_gpu"] is True
     assert metadata["machine_shape"] == "NvidiaTeslaT4" and metadata["is_private"] is True
@@ -620,6 +626,25 @@ def test_a_failed_kernel_names_its_stage(tmp_path, tiny_bundle, bare_venv):
     code, log = run_kernel(bare_venv, tiny_bundle, root)
     assert code == 1 and f"FAILED at stage bundle: the bundle at {root / 'input' / SLUG} is incomplete: " \
                          f"wheels/{wheel.name} has 1000 bytes" in log
+    # another version of the dataset than the kernel's (still processing on Kaggle, or only the kernel
+    # pushed): the same files, names and sizes, but one setting changed
+    root = tmp_path / "other-version"
+    shutil.copytree(tiny_bundle / "dataset", root / "input" / SLUG)
+    settings = root / "input" / SLUG / "train-config.json"
+    text = settings.read_text()
+    settings.write_text(text.replace("1", "2", 1) if "1" in text else text.replace("0", "9", 1))
+    marker = root / "input" / SLUG / layout.BUNDLE_MARKER
+    info = json.loads(marker.read_text())
+    info["files"]["train-config.json"]["sha256"] = hashlib.sha256(settings.read_bytes()).hexdigest()
+    marker.write_text(json.dumps(info, indent=2) + "\n")  # a consistent bundle, only not this kernel's
+    code, log = run_kernel(bare_venv, tiny_bundle, root)
+    assert code == 1 and f"FAILED at stage bundle: the bundle attached at {root / 'input' / SLUG} is another " \
+                         f"version of {KERNEL_ID} than the one this kernel was made with" in log
+    # and a file changed but not its size, against the marker: the settings are checked by their sha256
+    info["files"]["train-config.json"]["sha256"] = "0" * 64
+    marker.write_text(json.dumps(info, indent=2) + "\n")
+    with pytest.raises(KERNEL.StageFailed, match="train-config.json does not match its sha256"):
+        KERNEL.check_bundle(root / "input" / SLUG, info, tmp_path / "scratch")
 
 
 @pytest.mark.slow  # a bundle (wheels from the cache or the index) or a new virtual environment
@@ -655,7 +680,7 @@ def test_the_kernel_finds_a_kaggle_model_by_its_path_not_one_layout(tmp_path):
         archive.writestr("train.jsonl", "{}\n")
     info = {"folders": ["data", "wheels"], "files": {
         "wheels/a-1-py3-none-any.whl": {"bytes": 5, "sha256": KERNEL.sha256(dataset / "wheels" / "a-1-py3-none-any.whl")},
-        "data/train.jsonl": {"bytes": 3, "sha256": ""}}}
+        "data/train.jsonl": {"bytes": 3, "sha256": hashlib.sha256(b"{}\n").hexdigest()}}}
     folders = KERNEL.check_bundle(dataset, info, tmp_path / "scratch")
     assert folders == {"data": tmp_path / "scratch" / "data", "wheels": dataset / "wheels"}
 
@@ -699,3 +724,27 @@ def test_the_kernel_passes_one_sigterm_on_and_stops_training_when_its_time_is_up
     assert KERNEL.train("train", command, dict(os.environ), budget_s=600) == (130, False)
     thread.join()
     assert signal.getsignal(signal.SIGTERM) is before, "the kernel's handlers last as long as training"
+
+
+def test_the_kernel_stops_ptbr_s_workers_not_the_launcher_that_would_kill_them(tmp_path):
+    """Signalled, torch's launcher kills its workers 30 s after passing the signal on (Kaggle's torch
+    cannot be told otherwise), before a large checkpoint is written: the kernel signals the workers
+    (the launcher's `python -m ptbr` children) and lets the launcher wait for them."""
+    import time
+
+    sleeper = "import time; time.sleep(60)"
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"workers = [subprocess.Popen([sys.executable, '-c', {sleeper!r}, '-m', 'ptbr', 'train']) for _ in range(2)]\n"
+        f"other = subprocess.Popen([sys.executable, '-c', {sleeper!r}])\n"
+        "time.sleep(60)\n")], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(KERNEL.ptbr_workers(launcher.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = KERNEL.ptbr_workers(launcher.pid)
+        assert len(workers) == 2 and launcher.pid not in workers
+        assert KERNEL.ptbr_workers(os.getpid()) == []  # a single-process run: ptbr itself is signalled
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and all it started
+        launcher.wait()

@@ -99,7 +99,7 @@ def make_bundle(settings: BundleSettings) -> Path:
 
         def fill(folder: Path) -> None:
             fill_dataset(folder / DATASET, settings, plan, wheels, requirements)
-            fill_kernel(folder / KERNEL, root, settings, plan)
+            fill_kernel(folder / KERNEL, root, settings, plan, file_sha256(folder / DATASET / BUNDLE_MARKER))
 
         write_directory(output, fill, "the Kaggle bundle")
     size = sum(path.stat().st_size for path in (output / DATASET).rglob("*") if path.is_file())
@@ -358,15 +358,20 @@ def fill_dataset(folder: Path, settings: BundleSettings, plan: Plan, wheels: dic
     write_json(folder / DATASET_METADATA, render(template(DATASET_METADATA), fields))
 
 
-def fill_kernel(folder: Path, root: Path, settings: BundleSettings, plan: Plan) -> None:
+def fill_kernel(folder: Path, root: Path, settings: BundleSettings, plan: Plan, marker_sha256: str) -> None:
+    """The kernel script, told which bundle it runs: its id, and the sha256 of its marker (which
+    lists every file's), so that it refuses another version of the dataset (one Kaggle has not
+    finished processing, or an older one where only the kernel was pushed)."""
     folder.mkdir(parents=True)
     script = (root / "kaggle" / "kernel.py").read_text(encoding="utf-8")
-    placeholder = 'BUNDLE_ID = ""\n'
-    if script.count(placeholder) != 1:
-        raise ConfigError("kaggle/kernel.py has no `BUNDLE_ID = \"\"` line to fill in", str(root / "kaggle"),
-                          "restore kaggle/kernel.py from the repository")
-    write_text(folder / KERNEL_FILE, script.replace(placeholder, f"BUNDLE_ID = {json.dumps(settings.id)}\n"),
-               KERNEL_FILE)
+    fills = {'BUNDLE_ID = ""\n': f"BUNDLE_ID = {json.dumps(settings.id)}\n",
+             'BUNDLE_SHA256 = ""\n': f"BUNDLE_SHA256 = {json.dumps(marker_sha256)}\n"}
+    for placeholder, line in fills.items():
+        if script.count(placeholder) != 1:
+            raise ConfigError(f"kaggle/kernel.py has no `{placeholder.strip()}` line to fill in", str(root / "kaggle"),
+                              "restore kaggle/kernel.py from the repository")
+        script = script.replace(placeholder, line)
+    write_text(folder / KERNEL_FILE, script, KERNEL_FILE)
     title = settings.title or settings.slug
     fields = {"owner": settings.owner, "slug": settings.slug, "kernel_title": kernel_title(title, settings.slug)}
     metadata = render(template(KERNEL_METADATA), fields)

@@ -187,6 +187,9 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
                     if world.is_main:
                         callbacks.on_checkpoint(state, path)
                     if stopping:
+                        # every rank waits for the checkpoint to be written: when one rank exits, the
+                        # launcher stops the others, and a rank still writing would be stopped with it
+                        world.barrier()
                         raise Interrupted(f"stopped by {stop.signal_name or 'a stop signal to another rank'} at step "
                                           f"{state.step}", f"checkpoint {path}", "run the same command again to resume")
     finally:

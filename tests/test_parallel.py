@@ -250,6 +250,8 @@ def test_sigterm_to_one_rank_stops_the_run_with_130_too(tmp_path):
         assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
         time.sleep(0.2)
     (rank1,) = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    # the launcher's grace between passing a signal on and killing (torch's 30 s: less than a big save)
+    assert rank1.environ()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"
     rank1.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 130, err[-8000:]

@@ -167,6 +167,9 @@ def _picklable(value) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+SHUTDOWN_GRACE_S = 600
+
+
 def visible_gpus() -> int:
     import torch
 
@@ -193,6 +196,9 @@ def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> 
                           logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=quiet))
     # the workers share the machine's cores (torchrun's own default is 1 thread each)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    # signalled (Ctrl-C, SIGTERM), the launcher passes the signal on and kills the workers after this
+    # many seconds: torch's 30 are less than a large checkpoint takes to write (torch >= 2.11 reads it)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
     try:
         elastic_launch(config, sys.executable)("-m", "ptbr", *argv)
         return 0

@@ -474,7 +474,8 @@ def write_record(working: Path, record: dict) -> None:
         tmp = working / f".tmp-{RUN_MARKER}"
         tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, working / RUN_MARKER)
-        log(f"outputs: {working / RUN_MARKER}: {json.dumps(record['stages'])}, exit code {record['exit_code']}")
+        ended = f"exit code {record['exit_code']}" if "exit_code" in record else "training has started"
+        log(f"outputs: {working / RUN_MARKER}: {json.dumps(record['stages'])}, {ended}")
     except OSError as exc:
         log(f"outputs: cannot write {working / RUN_MARKER}: {exc}")
 

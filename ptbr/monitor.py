@@ -474,12 +474,14 @@ def screen(run: Run, status: Status, now: float | None = None) -> list[str]:
     per_step = seconds_per_step(rows)
     if speeds:
         lines.append(f"throughput  {statistics.median(speeds):,.0f} tokens/s (median of the last {len(speeds)} steps)"
-                     + (f", {per_step:.2f} s/step" if per_step else ""))
-    memory = [r["mem_bytes"] for r in rows if isinstance(r.get("mem_bytes"), int)]
+                     + (f"; {per_step:.2f} s/step with evaluations and saves" if per_step else ""))
+    memory = [(r["step"], r["mem_bytes"]) for r in rows if isinstance(r.get("mem_bytes"), int)]
     if memory:
-        line = f"memory      {format_bytes(memory[-1])} now, peak {format_bytes(max(memory))}"
+        line = (f"memory      {format_bytes(memory[-1][1])} at step {memory[-1][0]}, "
+                f"peak {format_bytes(max(m for _, m in memory))}")
         if run.predicted_peak:
-            line += f"; predicted peak {format_bytes(run.predicted_peak)} ({100 * max(memory) / run.predicted_peak:.0f}%)"
+            peak = max(m for _, m in memory)
+            line += f"; predicted peak {format_bytes(run.predicted_peak)} ({100 * peak / run.predicted_peak:.0f}%)"
         lines.append(line)
     if run.checkpoint is not None:
         lines.append(f"checkpoint  {run.checkpoint.path.name}, written {format_age(now - run.checkpoint.written)} ago")

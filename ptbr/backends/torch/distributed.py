@@ -187,8 +187,11 @@ def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not debug:
-        # ptbr reports a failed rank itself, in one line
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # ptbr reports a failed rank itself, in one line; torch's elastic modules give their loggers a
+        # level of their own ("Received 15 death signal, shutting down workers"), so each is set
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     logs.mkdir(parents=True, exist_ok=True)
     quiet = {rank: Std.ALL for rank in range(1, processes)}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=str(uuid.uuid4()),

@@ -109,6 +109,7 @@ def main() -> int:
         record["stages"][stage] = "ok"
 
         stage = "preflight"
+        require_a_gpu(bundle / info["settings"])
         base = find_base(inputs, info, folders, exclude=bundle)
         paths = run_paths(bundle, info, folders, base, run_dir)
         env = ptbr_environment(info)
@@ -174,15 +175,34 @@ def describe_environment() -> str:
     glibc = " ".join(platform.libc_ver()) or "unknown"
     parts = [f"Python {platform.python_version()} ({sys.executable})", f"{platform.system()} {platform.machine()}",
              f"libc {glibc}", f"run type {os.environ.get('KAGGLE_KERNEL_RUN_TYPE', 'not on Kaggle')}"]
-    gpus = []
-    if shutil.which("nvidia-smi"):
-        try:
-            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-            gpus = [line.strip() for line in listed.stdout.splitlines() if line.startswith("GPU ")]
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+    gpus = visible_gpus()
     parts.append(f"GPUs: {'; '.join(gpus) if gpus else 'none found'}")
     return ", ".join(parts)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists (none without the tool)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in listed.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def require_a_gpu(settings_file: Path) -> None:
+    """A run on Kaggle is for its GPUs: with none visible (the accelerator left off in the kernel's
+    settings), `device: auto` would train on the CPU for the whole session and end "complete". Only
+    a bundle whose settings say `device: cpu` runs there."""
+    try:
+        device = json.loads(settings_file.read_text(encoding="utf-8")).get("device", "auto")
+    except (OSError, ValueError, AttributeError):
+        device = "auto"
+    if device != "cpu" and not visible_gpus():
+        raise StageFailed("no GPU is visible to this session: turn on the GPU accelerator (GPU T4 x2) in the "
+                          "kernel's settings and run it again (a bundle whose settings say device: cpu runs on the "
+                          "CPU)")
 
 
 # --- bundle ----------------------------------------------------------------------------------------

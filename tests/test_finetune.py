@@ -5,6 +5,7 @@ CPU, exact resume, the adapter reloaded in plain PEFT, merge, generate, and the 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -453,3 +454,23 @@ def test_auto_fit_on_cpu_asks_the_memory_model_before_running_a_size(toy, tmp_pa
     assert "out of memory even at micro-batch 1 (skipped, the memory model predicts" in err[-1]
     assert all(any(f"micro-batch {b} x grad_accum {4 // b}: skipped" in line for line in err) for b in (4, 2, 1))
     assert not (tmp_path / "run").exists()  # it wrote nothing but its log: the directory it made is gone
+
+
+def test_a_run_resumes_with_its_base_found_at_another_path(toy, tmp_path, capsys):
+    """The base is known by its files, not its path: Kaggle mounts inputs where its layout of the day
+    puts them, and a base copied to another disk is the same base (a changed file is not)."""
+    from ptbr.cli import main
+
+    out = tmp_path / "run"
+    common = ["--data", str(toy.data), "--output", str(out), "--quant", "none", "--lora-r", "8", "--batch-size", "8",
+              "--save-every", "1", "--eval-every", "0", "--device", "cpu"]
+    assert main(["finetune", "--base", str(toy.base), *common, "--max-steps", "1"]) == 0
+    moved = tmp_path / "elsewhere" / "base"
+    shutil.copytree(toy.base, moved)
+    capsys.readouterr()
+    assert main(["finetune", "--base", str(moved), *common, "--max-steps", "2"]) == 0
+    assert f"resuming from {out / 'checkpoints' / 'step_000001'}" in capsys.readouterr().err
+    config = json.loads((moved / "config.json").read_text())
+    (moved / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))
+    assert main(["finetune", "--base", str(moved), *common, "--max-steps", "3"]) == 2
+    assert "base_files is " in capsys.readouterr().err

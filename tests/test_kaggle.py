@@ -36,7 +36,7 @@ KERNEL_ID = f"{USERNAME}/{SLUG}"
 # Two processes: the kernel trains through ptbr's data-parallel launcher, as on Kaggle's two T4s
 # (there `num_processes: auto`, the bundle's default, counts the GPUs; here gloo on the CPU).
 TINY = {"model_size": "tiny", "max_steps": 24, "batch_size": 1, "seq_len": 16, "save_every": 1, "eval_every": 0,
-        "eval_batches": 1, "log_every": 1, "num_processes": "2"}
+        "eval_batches": 1, "log_every": 1, "num_processes": "2", "device": "cpu"}  # no GPU here: said so
 toy = finetune_tests.toy
 
 
@@ -748,3 +748,16 @@ def test_the_kernel_stops_ptbr_s_workers_not_the_launcher_that_would_kill_them(t
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and all it started
         launcher.wait()
+
+
+def test_a_kernel_without_a_gpu_fails_unless_its_settings_say_cpu(tmp_path):
+    """The accelerator left off in the kernel's settings: `device: auto` would train on the CPU for
+    the whole session and end "complete"."""
+    auto, cpu = tmp_path / "auto.json", tmp_path / "cpu.json"
+    auto.write_text(json.dumps({"model_size": "tiny"}))
+    cpu.write_text(json.dumps({"model_size": "tiny", "device": "cpu"}))
+    if KERNEL.visible_gpus():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(KERNEL.StageFailed, match="no GPU is visible to this session: turn on the GPU accelerator"):
+        KERNEL.require_a_gpu(auto)
+    KERNEL.require_a_gpu(cpu)

@@ -119,8 +119,9 @@ def identity(settings: FinetuneConfig, train: JsonlReport, backend) -> dict:
     for example in train.examples:
         digest.update(example.ids.tobytes())
         digest.update(example.targets.tobytes())
-    return {"mode": "finetune", "backend": backend.name, "base": local_path(settings.base),
-            "base_files": fingerprint(settings.base), "quant": settings.quant, "lora_r": settings.lora_r,
+    # the base by its files, not its path: a base found elsewhere (Kaggle mounts inputs where its
+    # layout of the day puts them, a copy on another disk) is the same base
+    return {"mode": "finetune", "backend": backend.name, "base_files": fingerprint(settings.base), "quant": settings.quant, "lora_r": settings.lora_r,
             "lora_alpha": settings.lora_alpha, "target_modules": settings.target_modules,
             "train_examples": len(train.examples), "train_data": digest.hexdigest()[:16],
             "seed": settings.seed, "effective_batch": effective_batch(settings, backend.world)}

@@ -52,6 +52,9 @@ BUNDLE_ID = ""
 # the sha256 of that bundle's ptbr-bundle.json (which lists every file's sha256): another version of
 # the dataset (still processing on Kaggle, or an older one) is refused. Empty: not checked.
 BUNDLE_SHA256 = ""
+# True in the copy `ptbr kaggle push` sends when it attached the previous version's output: finding
+# none to resume from is then an error, not a new run (Kaggle did not mount it, or it held none)
+EXPECT_PREVIOUS = False
 
 # These names are ptbr's (ptbr/kaggle/layout.py); tests/test_kaggle.py keeps the two in step.
 BUNDLE_MARKER = "ptbr-bundle.json"
@@ -328,6 +331,10 @@ def restore_previous_run(inputs: Path, info: dict, run_dir: Path, working: Path)
         if record.get("bundle") == info["id"] and (marker.parent / RUN_DIR).is_dir():
             previous.append(marker.parent / RUN_DIR)
     if not previous:
+        if EXPECT_PREVIOUS:
+            raise StageFailed(f"the previous version's output was attached to resume from, but no {RUN_MARKER} "
+                              f"of {info['id']} with its run/ is under {inputs}: Kaggle did not mount it, or that "
+                              "version left none; look at its output (ptbr kaggle output), then push again")
         if info.get("resume_from_previous"):
             log("resume: no previous version's output is attached (the first version, or the last one left "
                 "none): starting a new run")

@@ -96,6 +96,7 @@ def test_the_kernel_script_ptbr_and_the_build_script_agree():
     assert BUILD.KAGGLE_PYTHON == layout.KAGGLE_PYTHON == BUILD.LOCKS["kaggle"].python
     assert (ROOT / "kaggle" / "kernel.py").read_text().count('BUNDLE_ID = ""\n') == 1
     assert (ROOT / "kaggle" / "kernel.py").read_text().count('BUNDLE_SHA256 = ""\n') == 1
+    assert (ROOT / "kaggle" / "kernel.py").read_text().count("\nEXPECT_PREVIOUS = False\n") == 1  # ptbr kaggle push sets it
 
 
 @pytest.mark.slow  # a bundle (wheels from the cache or the index) or a new virtual environment
@@ -353,6 +354,10 @@ def test_push_creates_the_dataset_waits_checks_every_file_then_pushes_the_kernel
     assert len(fake.datasets[KERNEL_ID].versions) == 2
     assert fake.kernels[KERNEL_ID].pushes[-1]["kernelDataSources"] == [KERNEL_ID]
     assert "version 2 pushed" in run.stderr
+    # the script sent says the output is attached: finding no run there fails the kernel
+    bundled = (tiny_bundle / "kernel" / layout.KERNEL_FILE).read_text()
+    assert fake.kernels[KERNEL_ID].pushes[-1]["text"] == bundled.replace("\nEXPECT_PREVIOUS = False\n",
+                                                                         "\nEXPECT_PREVIOUS = True\n")
 
     # a version still running has no output to resume from yet
     fake.kernels[KERNEL_ID].statuses = ["RUNNING"]
@@ -761,3 +766,14 @@ def test_a_kernel_without_a_gpu_fails_unless_its_settings_say_cpu(tmp_path):
     with pytest.raises(KERNEL.StageFailed, match="no GPU is visible to this session: turn on the GPU accelerator"):
         KERNEL.require_a_gpu(auto)
     KERNEL.require_a_gpu(cpu)
+
+
+def test_a_kernel_told_to_resume_fails_when_no_previous_run_is_attached(tmp_path, monkeypatch):
+    """`ptbr kaggle push` attached the previous version's output: a kernel that finds no run there
+    fails, where it would quietly start the run over (and lose the sessions before)."""
+    info = {"id": KERNEL_ID, "resume_from_previous": True}
+    (tmp_path / "input").mkdir()
+    assert KERNEL.restore_previous_run(tmp_path / "input", info, tmp_path / "run", tmp_path) is None
+    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    with pytest.raises(KERNEL.StageFailed, match="the previous version's output was attached to resume from"):
+        KERNEL.restore_previous_run(tmp_path / "input", info, tmp_path / "run", tmp_path)

@@ -6,7 +6,6 @@ dataset, so push counts what arrived."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -174,8 +173,11 @@ def push_kernel(api, bundle: Bundle) -> str:
                               kernel, "wait until it ends (`ptbr kaggle status BUNDLE --wait`), then push again")
         else:
             log(f"kernel {kernel}: the previous version ended {state}; its output is attached to resume from")
+    script = (bundle.kernel / KERNEL_FILE).read_text(encoding="utf-8")
+    if kernel in metadata.get("kernel_sources", []):  # attached: the kernel fails if it finds no run there
+        script = script.replace("\nEXPECT_PREVIOUS = False\n", "\nEXPECT_PREVIOUS = True\n", 1)
     with tempfile.TemporaryDirectory(prefix="ptbr-kernel-") as folder:
-        shutil.copyfile(bundle.kernel / KERNEL_FILE, Path(folder) / KERNEL_FILE)
+        (Path(folder) / KERNEL_FILE).write_text(script, encoding="utf-8")
         (Path(folder) / KERNEL_METADATA).write_text(json.dumps(metadata, indent=2), encoding="utf-8")
         response = call(api, f"push the kernel {kernel}", api.kernels_push, folder)
     problems = [response.error] if response.error else []

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             # 'Exception ignored ... BrokenPipeError' message and exit 120
             sys.stdout.flush()
     except BrokenPipeError:
-        _discard_stdout()
+        _discard(sys.stdout)
         return EXIT_BROKEN_PIPE
 
 
@@ -382,12 +382,7 @@ def _say(line: str) -> None:
     try:
         print(line, file=sys.stderr, flush=True)
     except BrokenPipeError:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stderr.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
+        _discard(sys.stderr)
 
 
 def filter_third_party_noise(debug: bool) -> None:
@@ -403,13 +398,14 @@ def filter_third_party_noise(debug: bool) -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.NOTSET if debug else logging.ERROR)
 
 
-def _discard_stdout() -> None:
-    """Point stdout at /dev/null: what is still buffered for a reader that has gone goes nowhere."""
+def _discard(stream) -> None:
+    """Point `stream` (stdout, stderr) at /dev/null: what is still buffered for a reader that has
+    gone goes nowhere."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
         os.close(devnull)
-    except (OSError, ValueError):  # stdout without a file descriptor (e.g. captured in-process)
+    except (OSError, ValueError):  # a stream without a file descriptor (e.g. captured in-process)
         pass
 
 

@@ -72,12 +72,12 @@ def check_report_folder(folder: Path, runs: list[Run]) -> None:
     may be new or hold an earlier report of ptbr's, never a dataset, another run or a user's files
     that the report would replace (plots/ is replaced whole)."""
     from ptbr.data.prepare import RUN_MARKERS
-    from ptbr.data.tokens import INCOMPLETE_MARKER
+    from ptbr.data.tokens import dataset_files_in
 
     if not folder.is_dir():
         return  # new (or a file, which writing the report refuses)
     fix = "give --output a folder of its own (e.g. reports/NAME), or leave it out for one run's own report"
-    dataset = [name for name in ("train.bin", INCOMPLETE_MARKER) if (folder / name).exists()]
+    dataset = dataset_files_in(folder)
     if dataset:
         raise OutputError(f"--output holds a dataset ({dataset[0]})", str(folder), fix)
     own = len(runs) == 1 and folder.resolve() == runs[0].run_dir.resolve()

@@ -77,7 +77,7 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
             meta = _write_dataset(files, stage, tokenizer, tokenizer_path, vocab_size, val_fraction, show_progress)
             _swap_in(stage, output)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)  # before the rmdir below (`finally` comes after it)
         if created:  # a failed or stopped first prepare leaves no empty directory behind
             try:
                 output.rmdir()

@@ -63,6 +63,11 @@ class TokenDataset:
         return int(max(tokens[i:i + chunk].max() for i in range(0, len(tokens), chunk)))
 
 
+def dataset_files_in(directory: str | Path) -> list[str]:
+    """The files that make `directory` a `ptbr prepare` dataset (finished or not): none for others."""
+    return [name for name in ("train.bin", INCOMPLETE_MARKER) if (Path(directory) / name).exists()]
+
+
 def holds_finetuning_data(directory: str | Path) -> bool:
     """A directory of fine-tuning data (train.jsonl) given where a pretraining dataset goes."""
     directory = Path(directory)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
-from ptbr.data.tokens import INCOMPLETE_MARKER
+from ptbr.data.tokens import dataset_files_in
 from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, OutputError, PtbrError, error_line
 from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
 from ptbr.log import attach_run_log, detach, log, to_file_only
@@ -50,7 +50,7 @@ PREVIOUS = "previous"
 
 def create_run_dir(output: str) -> Path:
     run_dir = Path(output)
-    dataset = [name for name in ("train.bin", INCOMPLETE_MARKER) if (run_dir / name).exists()]
+    dataset = dataset_files_in(run_dir)
     if dataset:
         # a run would write its checkpoints among the data, and starting over would move files there
         raise OutputError(f"the output directory holds a dataset ({dataset[0]}), not a run", str(run_dir),

@@ -90,6 +90,20 @@ def test_long_documents_stream_in_pieces(tmp_path, monkeypatch):
     assert meta["train_documents"] == 1 and meta["val_tokens"] == 0
 
 
+def test_a_file_of_one_huge_line_is_read_a_piece_at_a_time(tmp_path, monkeypatch):
+    """A text with no newlines at all (an export, a scrape): read in pieces, never whole; a run of
+    spaces inside a long line is not a blank line that ends the document."""
+    import ptbr.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "MAX_CHUNK_CHARS", 20)
+    text = tmp_path / "one-line.txt"
+    text.write_text("a" * 25 + " " * 20 + "b" * 10 + "\n\n" + "c" * 45)
+    pieces = list(corpus.iter_documents(text))
+    assert all(len(piece) <= 20 for piece, _ in pieces)
+    assert [end for _, end in pieces] == [False, False, True, False, False, True]
+    assert "".join(piece for piece, _ in pieces) == "a" * 25 + " " * 20 + "b" * 10 + "c" * 45
+
+
 def test_a_document_that_ends_right_after_a_full_piece_still_ends(tmp_path, monkeypatch, capsys):
     """A document whose last line fills a piece exactly: its end (EOS) must not be lost, or the
     next document (also the next file's) is glued to it. Val takes no more pieces of a long

@@ -485,6 +485,13 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     assert "on mlx" in capsys.readouterr().out
 
 
+def test_peft_alpha_of_an_mlx_scale_is_the_number_a_user_wrote():
+    from ptbr.finetune.export import alpha_of
+
+    assert 29 / 7 * 7 != 29 and alpha_of(29 / 7, 7) == 29 and isinstance(alpha_of(29 / 7, 7), int)
+    assert alpha_of(2.0, 8) == 16 and alpha_of(0.3, 5) == 1.5 and alpha_of(1 / 3, 1) == 0.333333333
+
+
 def test_mlx_errors_are_one_line_with_their_exit_codes(toy, tmp_path, capsys, monkeypatch):
     def error_of(*args: str) -> tuple[int, str]:
         code = main(list(args))

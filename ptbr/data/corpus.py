@@ -82,9 +82,14 @@ def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:
     lines: list[str] = []
     size = 0
     unfinished = False  # a piece of a document went out, and its end has not
+    continued = False  # the previous read stopped inside a line (a line longer than a piece)
     with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
-        for line in f:
-            if not line.strip():
+        # at most a piece at a time: a file that is one huge line (no newlines) is not read whole
+        for line in iter(lambda: f.readline(MAX_CHUNK_CHARS), ""):
+            whole = line.endswith("\n") or len(line) < MAX_CHUNK_CHARS  # the line's end (or the file's)
+            blank = not continued and whole and not line.strip()
+            continued = not whole
+            if blank:
                 if lines or unfinished:
                     yield "".join(lines).rstrip("\n"), True
                     lines, size, unfinished = [], 0, False

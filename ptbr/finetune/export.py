@@ -136,13 +136,19 @@ def mlx_to_peft(directory: Path, base: str | None) -> tuple[dict[str, np.ndarray
     every_layer = adapted == list(range(total if total is not None else max(adapted) + 1))
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-        "r": rank, "lora_alpha": scale * rank, "lora_dropout": dropout, "target_modules": sorted(modules),
+        "r": rank, "lora_alpha": alpha_of(scale, rank), "lora_dropout": dropout, "target_modules": sorted(modules),
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "layers_to_transform": None if every_layer else adapted, "layers_pattern": None, "modules_to_save": None,
         "rank_pattern": {}, "alpha_pattern": {}, "use_rslora": False, "use_dora": False, "revision": None,
         "auto_mapping": None,
     }
     return tensors, peft_config
+
+
+def alpha_of(scale: float, rank: int) -> float | int:
+    """PEFT's lora_alpha for mlx-lm's scale: 29 rather than 29.000000000000004 (scale 29/7 at r=7)."""
+    alpha = round(scale * rank, 9)
+    return int(alpha) if alpha.is_integer() else alpha
 
 
 def peft_to_mlx(directory: Path, base: str | None) -> tuple[dict[str, np.ndarray], dict]:

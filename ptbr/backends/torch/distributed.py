@@ -179,8 +179,9 @@ def visible_gpus() -> int:
 def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> int:
     """Run `ptbr ARGV` as `processes` workers on this machine (torchrun --standalone) and return
     the run's exit code: 0, or the documented code of the first rank that failed. Rank 0 writes to
-    this terminal; the other ranks' output goes to LOGS/rankN.log. SIGTERM/SIGINT reach every
-    rank, which save one checkpoint together and stop (130)."""
+    this terminal; the other ranks' output goes to LOGS/RUN_ID_*/attempt_0/RANK/stderr.log, one
+    RUN_ID folder per launch. SIGTERM/SIGINT reach every rank, which save one checkpoint together
+    and stop (130)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -61,7 +61,9 @@ def lock_for(session: nox.Session, purpose: str, system: str | None = None,
         session.error(
             f"locks/ holds no lock for {system} {machine} (this session's covers {covered}). "
             f"Install unlocked in an environment of your own instead: "
-            f"pip install 'torch=={BUILD.TORCH_VERSION}' -e '.[{extras}]'")
+            f"pip install -e '.[{extras}]'" + (
+                f" (after torch's CPU build where there is no GPU: pip install torch=={BUILD.TORCH_VERSION} "
+                f"--index-url {BUILD.TORCH_CPU_INDEX})" if system == "Linux" else ""))
     return ROOT / "locks" / f"{name}.txt"
 
 
@@ -228,12 +230,16 @@ def kaggle(session: nox.Session) -> None:
 
 
 # --- container images (docker/build.py holds the logic; see docker/README.md) -------------------
-# build.py uses the standard library only: these sessions install nothing.
+# build.py uses the standard library only; `build` installs the locks' setuptools, which builds the
+# ptbr wheel that the image installs (the same setuptools everywhere: the same wheel, the same image).
 
 
 @nox.session(default=False)
 def build(session: nox.Session) -> None:
     """Build ptbr-cpu from this checkout (`-- cuda`: ptbr-cuda; `-- --no-cache`: from scratch)."""
+    requirements = Path(session.create_tmp()) / "backend.txt"
+    requirements.write_text(lock_entries(ROOT / "locks" / "cpu.txt", {"setuptools"}))
+    session.install("--require-hashes", "--no-deps", "-r", str(requirements))
     session.run("python", "docker/build.py", "build", *session.posargs)
 
 

@@ -10,6 +10,10 @@ the bundled PT-BR sample. Both trainers run LoRA of the same rank and scale on e
 every layer, no dropout, the same batch size and learning rate, for the same number of steps;
 the first steps (compilation) are not timed. Tokens are the tokens a loss is taken on (the ones
 both count the same way: every token of an example but its first).
+
+Each run is a fresh process (nothing compiled, cached or allocated by one trainer helps the other),
+the two take turns and swap who goes first every repeat; each side's value is its median run, the
+ratio is that of the two medians, and the ratio within each repeat is kept beside it (its spread).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -114,6 +120,9 @@ def mlx_lm_speed(base: Path, data: Path, output: Path, args) -> dict:
             "peak_memory_gb": mx.get_peak_memory() / 1e9}
 
 
+SPEEDS = {"ptbr": ptbr_speed, "mlx_lm": mlx_lm_speed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -121,13 +130,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--words", type=int, default=60, help="words per example (~ 1.5 tokens each)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of each trainer, alternating; the fastest of each counts (shared machines)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each trainer, alternating; each side's median run counts (shared machines)")
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--scale", type=float, default=2.0)
     parser.add_argument("--dtype", default=None, help="base weights (default: bfloat16 on Metal, float32 on CPU)")
     parser.add_argument("--json", help="also write the result to this file (mlx-lm's progress shares stdout)")
+    parser.add_argument("--worker", nargs=3, metavar=("TRAINER", "ROOT", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -136,26 +146,45 @@ def main() -> None:
     from ptbr.log import setup_console
 
     setup_console(40)
+    if args.worker:  # one timed run, in this fresh process: its result as JSON in RESULT
+        name, root, result = args.worker
+        output = Path(root) / f"{name}-{Path(result).stem}"
+        output.mkdir()
+        measured = SPEEDS[name](Path(root) / "base", Path(root) / "data", output, args)
+        Path(result).write_text(json.dumps(measured))
+        return
     metal = mx.metal.is_available()
     dtype = args.dtype or ("bfloat16" if metal else "float32")
+    worker_args = [f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()
+                   if key not in ("json", "worker", "dtype")]
     with tempfile.TemporaryDirectory(prefix="ptbr-mlx-speed-") as tmp:
         root = Path(tmp)
-        for name in ("base", "data", *(f"{n}{r}" for n in ("ptbr", "mlx_lm") for r in range(args.repeats))):
+        for name in ("base", "data"):
             (root / name).mkdir()
         make_base(root / "base", args.hidden, args.layers, dtype)
         make_data(root / "data", args.batch_size * args.steps, args.words)
         runs = {"ptbr": [], "mlx_lm": []}
         for repeat in range(args.repeats):
-            for name, speed in (("ptbr", ptbr_speed), ("mlx_lm", mlx_lm_speed)):
-                mx.reset_peak_memory()
-                runs[name].append(speed(root / "base", root / "data", root / f"{name}{repeat}", args))
-        ours, theirs = (max(runs[name], key=lambda r: r["tokens_per_s"]) for name in ("ptbr", "mlx_lm"))
+            for name in (("ptbr", "mlx_lm") if repeat % 2 == 0 else ("mlx_lm", "ptbr")):
+                result = root / f"run{repeat}.{name}.json"
+                subprocess.run([sys.executable, __file__, *worker_args, f"--dtype={dtype}",
+                                "--worker", name, str(root), str(result)], check=True, stdout=subprocess.DEVNULL)
+                runs[name].append(json.loads(result.read_text()))
+    speeds = {name: [r["tokens_per_s"] for r in found] for name, found in runs.items()}
+    ours, theirs = statistics.median(speeds["ptbr"]), statistics.median(speeds["mlx_lm"])
     device = f"Metal ({mx.device_info().get('device_name', 'GPU')})" if metal else f"mlx[cpu] ({platform.processor() or platform.machine()})"
     command = " ".join(["python benchmarks/mlx_lora_speed.py", *sys.argv[1:]])
     result = {"device": device, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype,
-              "settings": vars(args), "ptbr": ours, "mlx_lm_lora": theirs,
-              "every_run_tokens_per_s": {k: [round(r["tokens_per_s"], 1) for r in v] for k, v in runs.items()},
-              "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"], "command": command}
+              "settings": vars(args) | {"worker": None},
+              "method": "a fresh process per run, the trainers alternating (who goes first swaps every repeat); "
+                        "tokens/s: each side's median run",
+              "ptbr": {"tokens_per_s": ours, "peak_memory_gb": max(r["peak_memory_gb"] for r in runs["ptbr"])},
+              "mlx_lm_lora": {"tokens_per_s": theirs,
+                              "peak_memory_gb": max(r["peak_memory_gb"] for r in runs["mlx_lm"])},
+              "every_run_tokens_per_s": {k: [round(v, 1) for v in found] for k, found in speeds.items()},
+              "ratio": ours / theirs,
+              "round_ratios": [o / t for o, t in zip(speeds["ptbr"], speeds["mlx_lm"], strict=True)],
+              "command": command}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

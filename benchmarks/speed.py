@@ -26,8 +26,9 @@ Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead
 
 Every contender runs in its own fresh process; the contenders of a row alternate, round after
 round, and each gives the median of its timed steps (the first steps are not timed: allocator and
-kernels warming up). A row's ratio is the median over rounds of the ratio within a round, so that
-the load of a shared machine, which drifts, cancels as far as it can.
+kernels warming up). A row shows each side's median over rounds and their ratio, and beside it the
+lowest and highest ratio within a round: the load of a shared machine drifts, and that spread says
+how far one round's noise reaches.
 
 Writes benchmarks/results/speed_DEVICE.json (every run's numbers) and speed_DEVICE.md (the table).
 """
@@ -101,9 +102,10 @@ def summary(run: dict) -> str:
     return f"{run['seconds']:.2f} s"
 
 
-def paired_ratio(ours: list[float], theirs: list[float]) -> float:
-    """The median over rounds of theirs/ours (a time: above 1, ptbr took less)."""
-    return statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
+def paired_ratio(ours: list[float], theirs: list[float]) -> list[float]:
+    """theirs/ours within each round (a time: above 1, ptbr took less): the spread a row shows
+    beside its ratio."""
+    return [t / o for o, t in zip(ours, theirs, strict=True)]
 
 
 def steps_and_peaks(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
@@ -112,11 +114,18 @@ def steps_and_peaks(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
             {name: [r["peak_memory_bytes"] for r in rs] for name, rs in runs.items()})
 
 
+LOWER_IS_BETTER = ("s", "MB")  # units of time and memory; the others are throughputs
+
+
 def row(section: str, name: str, metric: str, unit: str, reference: str, reference_value: float, ptbr_value: float,
-        ratio: float, command: str, **extra) -> dict:
+        round_ratios: list[float], command: str, **extra) -> dict:
+    """A table row. Its ratio is that of the two values it shows (each the median over rounds),
+    above 1 where ptbr is ahead; `round_ratios`, the same ratio within each round, give its spread
+    (a noisy round shows there, not as a ratio the values contradict)."""
+    ratio = reference_value / ptbr_value if unit in LOWER_IS_BETTER else ptbr_value / reference_value
     return {"section": section, "name": name, "metric": metric, "unit": unit, "reference": reference,
-            "reference_value": reference_value, "ptbr_value": ptbr_value, "ratio": ratio, "command": command,
-            **extra}
+            "reference_value": reference_value, "ptbr_value": ptbr_value, "ratio": ratio,
+            "round_ratios": round_ratios, "command": command, **extra}
 
 
 # ---- sections ---------------------------------------------------------------------------------
@@ -208,7 +217,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
                             statistics.median(first["hf_trainer"]), statistics.median(first["ptbr"]),
                             paired_ratio(first["ptbr"], first["hf_trainer"]), command))
         if args.device == "cpu":
-            rows[first_row].update(matmul_floor_row(spec, paired_ratio(step["plain_loop"], step["hf_trainer"])))
+            rows[first_row].update(matmul_floor_row(spec, statistics.median(
+                paired_ratio(step["plain_loop"], step["hf_trainer"]))))
     return rows
 
 
@@ -442,7 +452,7 @@ def mlx_rows(results: Path = RESULTS) -> list[dict]:
         found = json.loads(path.read_text())
         ours, theirs = found["ptbr"], found["mlx_lm_lora"]
         rows.append(row("mlx", f"MLX LoRA fine-tuning ({found.get('device', 'MLX')})", "tokens/s", "tokens/s",
-                        "mlx_lm.lora", theirs["tokens_per_s"], ours["tokens_per_s"], found["ratio"],
+                        "mlx_lm.lora", theirs["tokens_per_s"], ours["tokens_per_s"], found.get("round_ratios", []),
                         found.get("command", "python benchmarks/mlx_lora_speed.py"), source=path.name))
     return rows
 
@@ -459,15 +469,20 @@ def markdown(result: dict) -> str:
     """The README's table: one line per row, ratios > 1 meaning ptbr is ahead, then the commands."""
     load = result["conditions"].get("load_average")
     busy = f", load average {load[0]:.1f} at the start" if load else ""
+    commands = {r["benchmark_command"] for r in result["rows"] if r.get("benchmark_command")}
+    last = (f" These are the conditions of the last run (`{result['conditions']['command']}`); the rows kept from "
+            f"earlier runs name theirs under Reproduce." if len(commands) > 1 else "")
     lines = [f"Measured on {result['conditions']['machine']} ({result['conditions']['when']}{busy}); "
-             f"{result['conditions']['method']}", "",
+             f"{result['conditions']['method']}{last}", "",
              "| Benchmark | Metric | Reference | Reference | ptbr | ptbr advantage |",
              "|---|---|---|---:|---:|---:|"]
     for r in result["rows"]:
         theirs, ours = number(r["reference_value"], r["unit"]), number(r["ptbr_value"], r["unit"])
         if "mfu_ptbr" in r:
             theirs, ours = f"{theirs} (MFU {100 * r['mfu_reference']:.0f}%)", f"{ours} (MFU {100 * r['mfu_ptbr']:.0f}%)"
-        lines.append(f"| {r['name']} | {r['metric']} | {r['reference']} | {theirs} | {ours} | {r['ratio']:.2f}x |")
+        spread = r.get("round_ratios") or []
+        within = f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
+        lines.append(f"| {r['name']} | {r['metric']} | {r['reference']} | {theirs} | {ours} | {r['ratio']:.2f}x{within} |")
     notes = []
     for r in result["rows"]:
         if r.get("compile_s") is not None and r["reference"] == "HF Trainer":
@@ -526,8 +541,9 @@ def conditions(args) -> dict:
     if args.device == "cuda":
         machine = f"{torch.cuda.get_device_name()}, {machine}"
     method = (f"each contender in a fresh process, {args.rounds} alternating round(s), "
-              f"{args.warmup} untimed + {args.steps} timed steps each; the ratio is the median over rounds of "
-              f"the ratio within a round (time or memory: reference / ptbr; throughput: ptbr / reference).")
+              f"{args.warmup} untimed + {args.steps} timed steps each; a value is the median over rounds, the "
+              f"ratio is that of the two values (time or memory: reference / ptbr; throughput: ptbr / "
+              f"reference), and in brackets the lowest and highest ratio within a round.")
     return {"machine": machine, "when": time.strftime("%Y-%m-%d"), "method": method, "device": args.device,
             "load_average": os.getloadavg(), "quick": args.quick,
             "command": " ".join(["python benchmarks/speed.py", *args.argv])}
@@ -563,10 +579,10 @@ def main(argv: list[str] | None = None) -> dict:
         for name in args.only or SECTIONS:
             (Path(tmp) / name).mkdir()
             result["rows"] += SECTIONS[name](args, Path(tmp) / name)
-    result["rows"] += mlx_rows(output)  # MLX results kept beside this table (another machine's stay apart)
     stem = f"speed_{args.device}" + ("_quick" if args.quick else "")
     for measured in result["rows"]:
         measured["benchmark_command"] = result["conditions"]["command"]
+    result["rows"] += mlx_rows(output)  # MLX results kept beside this table (another machine's stay apart)
     result["rows"] = kept_rows(output / f"{stem}.json", result["rows"]) + result["rows"]
     (output / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     table = markdown(result)

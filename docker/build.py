@@ -411,12 +411,23 @@ def checkout_files() -> list[Path]:
 
 def build_checkout_wheel(variant: str) -> Path:
     """The checkout as a wheel, in the image's build context."""
-    return build_wheel(context_dir(variant) / "dist")
+    return build_wheel(context_dir(variant) / "dist", locked_backend=True)
 
 
-def build_wheel(dist: Path, echo: bool = True) -> Path:
+def build_wheel(dist: Path, echo: bool = True, locked_backend: bool = False) -> Path:
     """The checkout as a wheel in `dist` (emptied first), built from a copy so that no build/ or
-    *.egg-info lands in it, with fixed timestamps (pip's command printed unless echo=False)."""
+    *.egg-info lands in it, with fixed timestamps (pip's command printed unless echo=False), by
+    this Python's setuptools: never one that pip's build isolation would fetch (the newest, unhashed).
+    locked_backend: that setuptools must be the locks' version (its name is in the wheel's WHEEL
+    file, so another version gives another wheel, and another image)."""
+    found = subprocess.run([sys.executable, "-c", "import setuptools; print(setuptools.__version__)"],
+                           capture_output=True, text=True)
+    have = found.stdout.strip() if found.returncode == 0 else None
+    wanted = lock_entries(LOCKS["cpu"].path)["setuptools"].version
+    if have is None or (locked_backend and have != wanted):
+        raise BuildError(f"the ptbr wheel is built with setuptools {wanted if locked_backend else '>= 77'} "
+                         f"(no build isolation), and {sys.executable} has {have or 'none'}: install the "
+                         f"locks' setuptools=={wanted} there (nox -s build does)")
     shutil.rmtree(dist, ignore_errors=True)
     dist.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -424,10 +435,8 @@ def build_wheel(dist: Path, echo: bool = True) -> Path:
         for path in checkout_files():
             (source / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / path, source / path)
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
-               "--quiet", "-w", str(dist), str(source)]
-        if answers([sys.executable, "-c", "import setuptools, wheel"]):
-            cmd.insert(4, "--no-build-isolation")
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+               "--disable-pip-version-check", "--quiet", "-w", str(dist), str(source)]
         run(cmd, echo=echo, env=dict(os.environ, SOURCE_DATE_EPOCH=WHEEL_DATE_EPOCH))
     (wheel,) = dist.glob("ptbr-*.whl")
     return wheel

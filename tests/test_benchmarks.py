@@ -102,13 +102,29 @@ def test_mlx_results_join_the_table(tmp_path):
     (tmp_path / "mlx_lora_speed_metal.json").write_text(json.dumps({
         "device": "Metal (Apple M2)", "ptbr": {"tokens_per_s": 1200.0, "peak_memory_gb": 1.0},
         "mlx_lm_lora": {"tokens_per_s": 1000.0, "peak_memory_gb": 1.1}, "ratio": 1.2,
-        "command": "python benchmarks/mlx_lora_speed.py"}))
+        "round_ratios": [1.25, 1.1, 1.2], "command": "python benchmarks/mlx_lora_speed.py"}))
     rows = speed.mlx_rows(tmp_path)
     assert [(r["reference"], r["reference_value"], r["ptbr_value"], r["ratio"]) for r in rows] == [
         ("mlx_lm.lora", 1000.0, 1200.0, 1.2)]
     table = speed.markdown({"conditions": {"machine": "M2", "when": "today", "method": "m", "command": "c"},
                             "rows": rows})
-    assert "| MLX LoRA fine-tuning (Metal (Apple M2)) | tokens/s | mlx_lm.lora | 1,000 tokens/s | 1,200 tokens/s | 1.20x |" in table
+    assert ("| MLX LoRA fine-tuning (Metal (Apple M2)) | tokens/s | mlx_lm.lora | 1,000 tokens/s | 1,200 tokens/s "
+            "| 1.20x (1.10-1.25) |") in table
+
+
+def test_a_rows_ratio_is_that_of_the_values_it_shows_with_the_rounds_spread_beside_it():
+    """Three rounds where the reference had one slow round: the median of the ratios within a round
+    would say 1.16x while the medians shown say ptbr is slower (the table contradicted itself)."""
+    speed = load_speed()
+    ours, theirs = [0.13, 0.15, 0.17], [0.151, 0.1957, 0.15]  # step times, s
+    r = speed.row("pretrain", "p", "tokens/s", "tokens/s", "HF Trainer", 1000 / 0.151, 1000 / 0.15,
+                  speed.paired_ratio(ours, theirs), "ptbr train")
+    assert r["ratio"] == pytest.approx(0.151 / 0.15) and sorted(r["round_ratios"])[1] == pytest.approx(0.151 / 0.13)
+    memory = speed.row("pretrain", "p", "peak", "MB", "HF Trainer", 700.0, 350.0, [2.0], "ptbr train")
+    assert memory["ratio"] == 2.0  # less memory: ahead
+    table = speed.markdown({"conditions": {"machine": "m", "when": "w", "method": "m", "command": "c"},
+                            "rows": [r, memory]})
+    assert "| 1.01x (0.88-1.30) |" in table and "| 2.00x |" in table
 
 
 def test_mfu_counts_every_weight_and_the_attention():

@@ -145,6 +145,24 @@ def test_the_build_backend_is_locked():
         assert not out_of_range(parse_lock(lock.path), backend), lock.path.name
 
 
+def test_the_ptbr_wheel_is_built_by_this_pythons_setuptools_never_a_fetched_one(tmp_path, monkeypatch):
+    """pip's build isolation would fetch the newest setuptools, unhashed, and its version is written
+    into the wheel: the wheel (and the image) is built without it, by the locks' setuptools."""
+    import subprocess
+    import zipfile
+
+    locked = BUILD.lock_entries(BUILD.LOCKS["cpu"].path)["setuptools"].version
+    wheel = BUILD.build_wheel(tmp_path / "dist", echo=False, locked_backend=True)
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/WHEEL")]
+        assert f"Generator: setuptools ({locked})" in archive.read(name).decode()
+    bare = tmp_path / "bare"  # a Python without setuptools
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    monkeypatch.setattr(BUILD.sys, "executable", str(bare / "bin" / "python"))
+    with pytest.raises(BUILD.BuildError, match=rf"has none: install the locks' setuptools=={re.escape(locked)}"):
+        BUILD.build_wheel(tmp_path / "dist", echo=False)
+
+
 def test_torch_is_the_pinned_build(lock):
     entries = parse_lock(lock.path)
     version = entries["torch"].version
@@ -275,9 +293,13 @@ def test_lint_installs_ruff_as_the_ci_lock_pins_it(noxfile, tmp_path):
     assert parse_lock(Path(requirements)) == {"ruff": parse_lock(BUILD.LOCKS["ci"].path)["ruff"]}
 
 
-def test_image_sessions_install_nothing_and_locks_pins_its_uv(noxfile, tmp_path):
-    for session in ("build", "image_smoke"):
-        assert commands(noxfile, session, tmp_path).installs == []
+def test_image_sessions_install_only_the_locked_setuptools_and_locks_pins_its_uv(noxfile, tmp_path):
+    """build.py needs the standard library only; `build` also installs the setuptools that builds the
+    image's ptbr wheel, at the locks' version, by hash."""
+    ((*flags, requirements),) = commands(noxfile, "build", tmp_path).installs
+    assert flags == ["--require-hashes", "--no-deps", "-r"]
+    assert parse_lock(Path(requirements)) == {"setuptools": parse_lock(BUILD.LOCKS["cpu"].path)["setuptools"]}
+    assert commands(noxfile, "image_smoke", tmp_path).installs == []
     assert commands(noxfile, "locks", tmp_path).installs == [(f"uv=={BUILD.UV_VERSION}",)]
 
 

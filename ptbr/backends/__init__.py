@@ -99,7 +99,8 @@ def create_backend(requested: str, device: str = "auto", precision: str = "auto"
     library = "mlx" if name == "mlx" else "torch"
     if importlib.util.find_spec(library) is None:
         install = ("pip install 'ptbr[mlx]' (Apple Silicon) or 'mlx[cpu]' (Linux)" if name == "mlx" else
-                   "pip install torch (on CPU machines: torch==2.13.0)")
+                   "pip install torch (on CPU-only Linux its CPU build: pip install torch==2.13.0 "
+                   "--index-url https://download.pytorch.org/whl/cpu)")
         raise DeviceError(f"--backend {name} needs {library}, which is not installed", "--backend",
                           f"{install}, or choose the other --backend")
     if name == "mlx":

@@ -19,6 +19,7 @@ from ptbr.errors import ConfigError, DataError, OutputError
 from ptbr.files import write_directory, write_text, writing
 from ptbr.monitor import Run, assess, format_bytes, perplexity, read_run, smoothed
 from ptbr.train.progress import format_eta
+from ptbr.versions import install_extra
 
 PLOT_INCHES = (8.0, 4.5)
 PLOT_DPI = 100  # 800 x 450 pixels
@@ -28,7 +29,6 @@ PLOTS = {  # file name (without .png) -> what it shows, for report.md
     "memory_usage": "Memory against the memory model's predicted peak",
     "throughput": "Throughput (tokens/s)",
 }
-INSTALL = "pip install 'ptbr[report]'"
 
 
 def matplotlib_installed() -> bool:
@@ -37,7 +37,8 @@ def matplotlib_installed() -> bool:
 
 def require_matplotlib() -> None:
     if not matplotlib_installed():
-        raise ConfigError("plots need matplotlib, which is not installed", "ptbr report", INSTALL)
+        raise ConfigError("plots need matplotlib, which is not installed", "ptbr report", install_extra(
+            "report", "run `ptbr report` on the host, on the run directory in the /out volume"))
 
 
 def write_report(run_dirs: list[str | Path], output: str | Path | None = None) -> Path:

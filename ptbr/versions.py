@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from importlib import metadata
 
@@ -17,3 +18,13 @@ def package_versions(names=PACKAGES) -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def install_extra(extra: str, in_image: str, then: str = "") -> str:
+    """How to get one of ptbr's optional extras: `pip install 'ptbr[EXTRA]'` and `then`. ptbr's
+    images hold what their lock pins and nothing else, installed as root without network: pip cannot
+    add it there, so `in_image` says what to do instead (e.g. run the command on the host)."""
+    variant = os.environ.get("PTBR_IMAGE_VARIANT")
+    if variant:
+        return f"the ptbr-{variant} image leaves out the {extra} extra: {in_image}"
+    return f"pip install 'ptbr[{extra}]'{then}"

@@ -242,6 +242,11 @@ def test_without_matplotlib_the_report_is_a_one_line_error_and_a_run_still_succe
     assert main(["report", str(out)]) == 2
     assert capsys.readouterr().err.strip() == ("error: plots need matplotlib, which is not installed (ptbr report); "
                                                "fix: pip install 'ptbr[report]'")
+    # inside ptbr's image pip cannot add it (root-owned, no network): the host can
+    monkeypatch.setenv("PTBR_IMAGE_VARIANT", "cpu")
+    assert main(["report", str(out)]) == 2
+    assert capsys.readouterr().err.strip().endswith("fix: the ptbr-cpu image leaves out the report extra: run "
+                                                    "`ptbr report` on the host, on the run directory in the /out volume")
 
 
 def test_a_report_that_fails_never_fails_the_finished_run(tmp_path, monkeypatch):
@@ -353,3 +358,8 @@ def test_tensorboard_without_its_extra_is_refused_before_the_run(tmp_path, capsy
                                                "(--tensorboard); fix: pip install 'ptbr[tensorboard]', or leave out "
                                                "--tensorboard")
     assert not out.exists()
+    monkeypatch.setenv("PTBR_IMAGE_VARIANT", "cuda")
+    assert train(out, "--max-steps", "2", "--tensorboard") == 2
+    assert capsys.readouterr().err.strip().endswith("fix: the ptbr-cuda image leaves out the tensorboard extra: leave "
+                                                    "out --tensorboard (metrics.jsonl holds the same numbers; ptbr "
+                                                    "monitor and ptbr report read it)")

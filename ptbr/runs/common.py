@@ -27,7 +27,7 @@ from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, Outpu
 from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
 from ptbr.log import attach_run_log, detach, log, to_file_only
 from ptbr.memory import Architecture, estimate_run
-from ptbr.report import INSTALL, matplotlib_installed, write_report
+from ptbr.report import matplotlib_installed, write_report
 from ptbr.train.checkpoint import (
     STATE_FILE,
     checkpoints_dir,
@@ -40,6 +40,7 @@ from ptbr.train.lock import LOCK_FILE, RunLock
 from ptbr.train.loop import LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule
+from ptbr.versions import install_extra
 
 # What a run leaves in its directory. A run that starts over moves these to OUTPUT/previous/ (the
 # lock, train.log, which holds every session's lines, and preflight's files stay).
@@ -463,7 +464,8 @@ def write_run_report(run_dir: Path) -> None:
     """report.md and plots/ of a run that finished, where matplotlib is installed. The run's results
     are saved by then: a report that cannot be made is a warning, never the run's failure."""
     if not matplotlib_installed():
-        log(f"no report: matplotlib is not installed; {INSTALL}, then `ptbr report {run_dir}`")
+        log("no report: matplotlib is not installed; " + install_extra(
+            "report", f"run `ptbr report` on the host, on {run_dir} in the /out volume", f", then `ptbr report {run_dir}`"))
         return
     try:
         path = write_report([run_dir])

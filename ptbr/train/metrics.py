@@ -14,6 +14,7 @@ from pathlib import Path
 from ptbr.errors import ConfigError
 from ptbr.files import append_lines, write_text, writing
 from ptbr.log import log
+from ptbr.versions import install_extra
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_bytes", "elapsed_s")
 TENSORBOARD_DIR = "tensorboard"
@@ -54,7 +55,8 @@ def require_tensorboard() -> None:
     """--tensorboard needs the `tensorboard` extra; checked when a run starts, before any model is built."""
     if importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("--tensorboard needs tensorboardX, which is not installed", "--tensorboard",
-                          "pip install 'ptbr[tensorboard]', or leave out --tensorboard")
+                          install_extra("tensorboard", "leave out --tensorboard (metrics.jsonl holds the same "
+                                        "numbers; ptbr monitor and ptbr report read it)", ", or leave out --tensorboard"))
 
 
 class TensorBoardEvents:

@@ -155,11 +155,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the package, the tests, this file and the Kaggle kernel script (the version and hashes locks/ci.txt pins)."""
+    """ruff over the package, the tests, this file, the Kaggle kernel script, the benchmarks and the
+    image build script (the version and hashes locks/ci.txt pins)."""
     requirements = Path(session.create_tmp()) / "ruff.txt"
     requirements.write_text(lock_entries(ROOT / "locks" / "ci.txt", {"ruff"}))
     session.install("--require-hashes", "--no-deps", "-r", str(requirements))
-    session.run("ruff", "check", "ptbr", "tests", "noxfile.py", "kaggle", *session.posargs)
+    session.run("ruff", "check", "ptbr", "tests", "noxfile.py", "kaggle", "benchmarks", "docker", *session.posargs)
 
 
 @nox.session(python=LOCK_PYTHON)

@@ -151,8 +151,8 @@ def test_ci_installs_its_tools_then_runs_the_readme_test_command():
         assert tool in installed.split(), f".ci/run installs {tool} (the image test needs it)"
     assert any("pip install" in command and "nox==" in command for command in commands), \
         ".ci/run installs nox at the version locks/ci.txt pins"
-    assert commands[-1] == "nox -s tests"
-    assert re.search(r"^pip install nox && nox -s tests\b", (ROOT / "README.md").read_text(), re.MULTILINE), \
+    assert commands[-1] == "nox -s lint tests"
+    assert re.search(r"^pip install nox && nox -s lint tests\b", (ROOT / "README.md").read_text(), re.MULTILINE), \
         "the README's test command is the one CI runs"
 
 

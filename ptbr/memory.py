@@ -188,7 +188,7 @@ def _layer_inventory(arch: Architecture, precision: str) -> int:
 
 
 def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, rank: int, dropout_mask: int,
-                          targets: tuple[str, ...]) -> int:
+                          targets: tuple[str, ...], int8_device: str | None = None) -> int:
     """Bytes one decoder layer of a frozen base with LoRA adapters saves, per token.
 
     Counted from the tensors autograd saves (tests/test_memory.py checks it byte for byte): a
@@ -203,6 +203,13 @@ def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, ran
     Dropout also keeps a mask per adapted input: `dropout_mask` bytes per value (a bool with
     --lora-dropout-impl packed and with torch's on CUDA, torch's fp32 noise tensor on a CPU; peft
     drops out the fp32 input).
+      int8_device (--quant 8bit, on that device): bitsandbytes' 8-bit matmul keeps its input for the
+    backward pass (as a ctx attribute, which saved-tensor hooks do not see) whether or not the
+    Linear has an adapter: both norms' fp32 outputs and the MLP product, where no adapter shares
+    them already (o_proj's input is attention's output, counted). On a CPU its training matmul is
+    a plain F.linear, which autocast runs in 16 bits (the MLP's tensors in the compute dtype); on
+    CUDA its int8 kernel returns the fp32 input's dtype, as a 4-bit Linear does (not measured).
+    Measured on CPU against the allocated peak (tests/test_memory.py).
     """
     h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
     inputs = {"q": h, "k": h, "v": h, "o": a, "gate": h, "up": h, "down": i}
@@ -213,10 +220,17 @@ def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, ran
         shared = (h if {"q", "k", "v"} & set(targets) else 0) + (h if {"gate", "up"} & set(targets) else 0)
         adapted_inputs = 4 * (shared + (i if "down" in targets else 0))
     norms = 2 * (4 * h + 4)  # fp32 input and rsqrt of both RMSNorms
-    mlp = (4 if quantized else compute) * 3 * i
+    mlp_bytes = compute if not quantized or int8_device == "cpu" else 4
+    mlp = mlp_bytes * 3 * i
     attention = compute * (a + 2 * kv + a) + 4 * heads
     lora = adapted_inputs + compute * rank * len(targets) + dropout_mask * every
-    return norms + mlp + attention + lora
+    kept_by_int8 = 0
+    if int8_device is not None:
+        shared = compute == 4 and not dropout_mask  # fp32 adapters without dropout read these very tensors
+        kept_by_int8 = ((0 if shared and {"q", "k", "v"} & set(targets) else 4 * h)
+                        + (0 if shared and {"gate", "up"} & set(targets) else 4 * h)
+                        + (0 if shared and "down" in targets else mlp_bytes * i))
+    return norms + mlp + attention + lora + kept_by_int8
 
 
 def _head_bytes_per_token(arch: Architecture, precision: str) -> int:
@@ -363,7 +377,8 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
     # a bool per value (packed, or torch's on CUDA); torch's on a CPU keeps an fp32 noise tensor
     bool_mask = device == "cuda" or lora_dropout_impl(dropout_impl, device) == "packed"
     mask = (1 if bool_mask else 4) if lora_dropout else 0
-    per_layer = _lora_layer_inventory(arch, compute, quant is not None, lora_rank, mask, targets) * tokens
+    per_layer = _lora_layer_inventory(arch, compute, quant is not None, lora_rank, mask, targets,
+                                      device if quant == "int8" else None) * tokens
     head = (8 + 4 * arch.hidden_size + 4) * tokens  # ids, the final RMSNorm's fp32 input, rsqrt
     head += 2 * seq_len * arch.attention_dim // arch.num_heads * residual  # RoPE's cos and sin, shared by the layers
     if not gradient_checkpointing:

@@ -12,6 +12,7 @@ from ptbr.backends.torch.distributed import world_from_env
 from ptbr.backends.torch.step import TorchStep, build_optimizer
 from ptbr.backends.world import SingleProcess
 from ptbr.errors import ConfigError
+from ptbr.log import log
 from ptbr.versions import package_versions
 
 # What an out-of-memory looks like where torch does not raise torch.OutOfMemoryError (CPU, MPS).
@@ -112,9 +113,14 @@ class TorchBackend:
             raise ConfigError("--fsdp is for pretraining: a fine-tuning run copies its (4-bit) base to every GPU "
                               "and trains the small adapter data-parallel", "--fsdp", "leave --fsdp out")
         model = adapted.model
-        return TorchStep(model, build_optimizer(model, settings, self.placement.device), self.placement,
+        step = TorchStep(model, build_optimizer(model, settings, self.placement.device), self.placement,
                          settings.max_grad_norm, self.world, self.parallel(model),
-                         chunked_loss=settings.chunked_loss)
+                         chunked_loss=settings.chunked_loss, right_padded=True)
+        log("padded micro-batches: " + (
+            "with their attention mask (this model's logits depend on it beyond causal attention)"
+            if step.keeps_padding_mask else
+            "without their attention mask (a causal decoder: the pads come after every token the loss covers)"))
+        return step
 
     # ---- the loss ---------------------------------------------------------------------------
 

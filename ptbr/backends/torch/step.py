@@ -24,7 +24,7 @@ class TorchStep:
     """
 
     def __init__(self, model, optimizer, placement, max_grad_norm: float, world=None, parallel=None,
-                 sharded: bool = False, compile: bool = False, *, chunked_loss: bool):
+                 sharded: bool = False, compile: bool = False, *, chunked_loss: bool, right_padded: bool = False):
         import torch
 
         self.model = model  # the module itself: evaluation and saving go through it
@@ -52,6 +52,13 @@ class TorchStep:
             from ptbr.backends.torch.loss import chunkable_head
 
             self.head, self.whole_logits_why = chunkable_head(model, placement.autocast)
+        # fine-tuning's right-padded batches go without their attention mask where the model is a
+        # causal decoder (ptbr/backends/torch/padding.py): less memory, SDPA's causal kernel
+        self.keeps_padding_mask = True
+        if right_padded:
+            from ptbr.backends.torch.padding import padding_mask_needed
+
+            self.keeps_padding_mask = padding_mask_needed(model)
         # --compile: training steps run the forward pass (and the whole logits' loss) compiled;
         # evaluation stays eager (no_grad would be a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext
@@ -68,7 +75,8 @@ class TorchStep:
         import torch
 
         pin = self.placement.device.type == "cuda"
-        tensors = {k: torch.as_tensor(v, dtype=torch.long) for k, v in batch.items()}
+        tensors = {k: torch.as_tensor(v, dtype=torch.long) for k, v in batch.items()
+                   if k != "attention_mask" or self.keeps_padding_mask}
         return {k: (t.pin_memory() if pin else t).to(self.placement.device, non_blocking=True)
                 for k, t in tensors.items()}
 

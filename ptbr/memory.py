@@ -52,8 +52,11 @@ QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "mlx4": 0.5 + 
 # rounded up.
 RUNTIME_BYTES = {"cuda": 0, "cpu": 512 * MIB, "mps": 512 * MIB, "mlx": 512 * MIB}
 # The share of free memory a run is planned into (preflight's plans, --auto-fit's sizes): on a GPU
-# the allocator's own caching and fragmentation; on a CPU resident memory runs 10-42% above the
-# tensors the model counts (the allocator, the interpreter, torch's thread pools)
+# the allocator's own caching and fragmentation; on a CPU resident memory runs 11-24% above the
+# tensors the model counts for the 85m and 400m presets (glibc keeps freed blocks; README, "How
+# good is the memory model?"), up to 72% above for the tiny preset with checkpointing, whose
+# activations are a few hundred MiB. Loading a quantized base at full precision first is not
+# counted (the README tells CPU fine-tuning to plan for its largest shard on top)
 USABLE_FRACTION = {"cuda": 0.9, "mps": 0.9, "mlx": 0.9, "cpu": 0.8}
 
 

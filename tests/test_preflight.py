@@ -540,3 +540,52 @@ def test_out_of_memory_mid_run_resumes_from_the_last_checkpoint(tmp_path, oom_ab
     summary = json.loads((run / "training_summary.json").read_text())
     assert summary["steps"] == 6
     assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
+
+
+def test_preflight_keeps_every_precision_the_run_accepts():
+    """The plan changes an explicit --precision only where the run refuses it (ptbr.backends.torch.
+    device.resolve_precision): fp16 on a GPU with native bf16 runs (with GradScaler), and on MPS
+    both 16-bit precisions run; preflight used to FAIL them as "the run would stop with exit 5"."""
+    import torch
+
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.errors import DeviceError
+    from ptbr.preflight.recommend import choose_precision
+
+    reasons: list[str] = []
+    assert choose_precision(MACHINES["h100"], "cuda", "fp16", reasons) == "fp16"
+    assert "computes bf16 natively, which needs no loss scaling" in reasons[-1]
+    assert choose_precision(MACHINES["t4"], "cuda", "bf16", reasons) == "fp16"  # the run refuses it (exit 5)
+    assert reasons[-1] == "precision fp16 instead of bf16: the Tesla T4 has no native bf16"
+    for precision in ("fp16", "bf16", "fp32"):
+        assert choose_precision(MACHINES["mac16"], "mps", precision, []) == precision
+        assert resolve_precision(torch.device("mps"), precision).precision == precision  # as the run does
+    assert choose_precision(MACHINES["cpu24"], "cpu", "fp16", reasons) == "fp32"
+    with pytest.raises(DeviceError):
+        resolve_precision(torch.device("cpu"), "fp16")
+
+
+def test_device_mps_off_apple_silicon_fails_even_with_a_gpu():
+    """--device mps on Linux with an NVIDIA GPU: the run stops (torch has no MPS there); preflight
+    planned the MLX backend for it and passed."""
+    from ptbr.preflight.checks import check_hardware
+    from ptbr.preflight.recommend import choose_target
+
+    assert choose_target(MACHINES["t4"], "pretrain", "mps") == "mps"
+    (failed,) = [c for c in check_hardware(MACHINES["t4"], "mps") if c.status == FAIL]
+    assert failed.name == "hardware.accelerator" and "Apple Silicon's GPU" in failed.message
+    assert failed.fix == "use --device auto or cuda"
+    assert not [c for c in check_hardware(MACHINES["mac16"], "mps") if c.status == FAIL]
+    assert choose_target(MACHINES["mac16"], "pretrain", "mps") == "mlx"
+
+
+def test_a_mixture_of_experts_base_gets_no_plan_of_a_dense_one():
+    """Mixtral-8x7B's config.json read as a dense decoder is a 7.2B model (it has 46.7B): the plan
+    passed with 14.7 GiB. It fails, naming the experts, and other checks still run."""
+    from ptbr.preflight.checks import mixture_of_experts
+
+    mixtral = MISTRAL_7B | {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_experts_per_tok": 2}
+    check = mixture_of_experts(mixtral)
+    assert check.status == FAIL and check.name == "model.architecture"
+    assert "MixtralForCausalLM is a mixture-of-experts decoder (num_local_experts 8)" in check.message
+    assert mixture_of_experts(MISTRAL_7B) is None and mixture_of_experts(MISTRAL_7B | {"num_experts": 1}) is None

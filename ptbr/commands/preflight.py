@@ -1,5 +1,5 @@
 """`ptbr preflight`: check hardware, packages, data, model and disk before a run; predict its memory;
-write DIR/preflight_report.json and DIR/recommended_config.json. Exit 8 when a check fails."""
+write DIR/preflight_report.json and DIR/recommended_config.json. Exit 10 when a check fails."""
 
 from __future__ import annotations
 

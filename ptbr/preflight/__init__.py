@@ -33,6 +33,7 @@ from ptbr.preflight.checks import (
     checkpoint_plan,
     load_base_tokenizer,
     load_test,
+    mixture_of_experts,
     read_base_config,
 )
 from ptbr.preflight.hardware import GPU, Hardware, probe_hardware
@@ -90,7 +91,12 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
         data_checks, summary = check_finetune_data(settings, tokenizer, max_positions)
         checks += model_checks + tokenizer_checks + data_checks
         examples, longest = summary.get("examples") or None, summary.get("longest") or None
-        if base_config:
+        moe = mixture_of_experts(base_config) if base_config else None
+        if moe:
+            checks.append(moe)
+            if load_weights and tokenizer is not None:
+                checks.append(load_test(settings))
+        elif base_config:
             try:
                 arch = Architecture.from_hf_config(base_config)
             except (KeyError, TypeError, ValueError) as exc:
@@ -105,9 +111,10 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
         checks += check_mlx_backend(hardware.apple_silicon)
 
     recommendation = None
-    # --device cuda without a GPU (hardware.accelerator fails): no GPU memory to plan into, and a plan
-    # into the RAM would read as one for the GPU
-    if arch is not None and not (target == "cuda" and not hardware.gpus):
+    # --device cuda without a GPU, or mps off Apple Silicon (hardware.accelerator fails): no such
+    # memory to plan into, and a plan into the RAM would read as one for that device
+    absent = (target == "cuda" and not hardware.gpus) or (target == "mps" and not hardware.apple_silicon)
+    if arch is not None and not absent:
         recommendation = recommend(hardware, settings, arch, max_positions=max_positions, examples=examples,
                                    longest=longest)
         checks += _memory_checks(recommendation, settings)

@@ -66,13 +66,15 @@ def check_hardware(hw: Hardware, device: str) -> list[Check]:
         checks.append(Check("hardware.apple", PASS, {"unified_memory": hw.unified_memory,
                                                      "metal_working_set": hw.metal_working_set},
                             f"Apple Silicon, {gib(hw.unified_memory or hw.ram_total)} unified memory{limit}"))
-    if not hw.gpus and not hw.apple_silicon:
-        if device in ("cuda", "mps"):
-            checks.append(Check("hardware.accelerator", FAIL, None, f"--device {device} but no such accelerator found",
-                                "use --device auto or cpu, or run where a GPU is"))
-        else:
-            checks.append(Check("hardware.accelerator", WARN, None, "no GPU: training runs on the CPU (slow but works)",
-                                "use a GPU (e.g. Kaggle's T4s) for anything larger than the tiny preset"))
+    if device == "cuda" and not hw.gpus:
+        checks.append(Check("hardware.accelerator", FAIL, None, "--device cuda but no CUDA GPU found",
+                            "use --device auto or cpu, or run where a GPU is"))
+    elif device == "mps" and not hw.apple_silicon:
+        checks.append(Check("hardware.accelerator", FAIL, None, "--device mps is Apple Silicon's GPU, and this machine "
+                            "is not a Mac with one", "use --device auto" + (" or cuda" if hw.gpus else " or cpu")))
+    elif not hw.gpus and not hw.apple_silicon:
+        checks.append(Check("hardware.accelerator", WARN, None, "no GPU: training runs on the CPU (slow but works)",
+                            "use a GPU (e.g. Kaggle's T4s) for anything larger than the tiny preset"))
     for note in hw.notes:
         checks.append(Check("hardware.probe", WARN, note, note, "see the message; the other checks still ran"))
     return checks
@@ -259,6 +261,24 @@ def check_preset(settings: PretrainConfig, vocab_size: int | None) -> list[Check
                                          "vocab_size": vocab},
                   f"{preset.name}: {preset.param_count(vocab):,} parameters at vocab {vocab:,}, "
                   f"up to {preset.max_position_embeddings} positions")]
+
+
+# config.json keys of a mixture-of-experts decoder: Mixtral, Qwen-MoE/OLMoE, DeepSeek
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def mixture_of_experts(config: dict) -> Check | None:
+    """A FAIL for a mixture-of-experts base: the memory model counts dense decoders, and would plan
+    its experts' weights as one MLP's (a Mixtral-8x7B as a 7B)."""
+    found = next(((key, config[key]) for key in MOE_KEYS if isinstance(config.get(key), int) and config[key] > 1), None)
+    if found is None:
+        return None
+    kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
+    return Check("model.architecture", FAIL, {found[0]: found[1]},
+                 f"{kind} is a mixture-of-experts decoder ({found[0]} {found[1]}): the memory model counts dense "
+                 "decoders, and would plan its experts' weights as one MLP's (several times too low)",
+                 "no memory plan for it: size the run by hand (the weights at the --quant precision, plus "
+                 "activations); --load-test checks that the base loads")
 
 
 def read_base_config(settings: FinetuneConfig) -> tuple[list[Check], dict | None]:

@@ -86,6 +86,8 @@ def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "au
         return "mlx"
     if device == "cuda" or (device == "auto" and hardware.gpus):
         return "cuda"
+    if device == "mps" and not hardware.apple_silicon:  # the run stops (--device mps is Apple's GPU)
+        return "mps"
     if device == "mps" or (device == "auto" and hardware.apple_silicon):
         return "mps" if backend == "torch" else "mlx"
     return "cpu"
@@ -93,21 +95,25 @@ def choose_target(hardware: Hardware, mode: str, device: str, backend: str = "au
 
 def choose_precision(hardware: Hardware, target: str, requested: str, reasons: list[str],
                      mode: str = "pretrain") -> str:
-    """`auto` as the run will resolve it (ptbr.precision.auto_precision); an explicit precision the
-    target cannot run is replaced, with the reason (the run itself would refuse it)."""
+    """`auto` as the run will resolve it (ptbr.precision.auto_precision); an explicit precision is
+    kept wherever the run accepts it (ptbr.backends.torch.device.resolve_precision: all but fp16 on
+    a CPU and bf16 on a GPU without native bf16; the MLX backend refuses fp16), and otherwise
+    replaced, with the reason (the run itself would refuse it)."""
     if target == "cuda" and hardware.gpus:
         gpu = hardware.gpus[0]
         native = auto_precision("cuda", gpu.real_bf16, mode == "pretrain")
-        if requested in ("auto", native, "fp32"):
-            if requested == "auto" and native == "fp16":
-                reasons.append(f"precision fp16 with GradScaler: the {gpu.name} (compute {gpu.compute_capability}) "
-                               "has no native bf16")
-            elif requested == "auto":
-                reasons.append(f"precision bf16: the {gpu.name} computes bf16 natively")
-            return native if requested == "auto" else requested
-        reasons.append(f"precision {native} instead of {requested}: the {gpu.name} "
-                       f"{'has no native bf16' if native == 'fp16' else 'trains better in bf16'}")
-        return native
+        if requested == "auto" and native == "fp16":
+            reasons.append(f"precision fp16 with GradScaler: the {gpu.name} (compute {gpu.compute_capability}) "
+                           "has no native bf16")
+        elif requested == "auto":
+            reasons.append(f"precision bf16: the {gpu.name} computes bf16 natively")
+        elif requested == "fp16" and native == "bf16":
+            reasons.append(f"precision fp16 as asked (with GradScaler): the {gpu.name} computes bf16 natively, "
+                           "which needs no loss scaling (--precision bf16 or auto)")
+        elif requested == "bf16" and native == "fp16":
+            reasons.append(f"precision fp16 instead of bf16: the {gpu.name} has no native bf16")
+            return native
+        return native if requested == "auto" else requested
     if requested == "auto":
         if target == "cuda":  # --device cuda on a machine without a GPU (the checks fail on it)
             return "fp32"
@@ -123,7 +129,7 @@ def choose_precision(hardware: Hardware, target: str, requested: str, reasons: l
         reasons.append("precision bf16 instead of fp16: MLX has no loss scaling, and fp16's small gradients would "
                        "vanish")
         return "bf16"
-    if target == "mlx" or requested == "fp32" or (requested == "bf16" and target == "cpu"):
+    if target in ("mlx", "mps") or requested == "fp32" or (requested == "bf16" and target == "cpu"):
         return requested
     fallback = choose_precision(hardware, target, "auto", [], mode)
     reasons.append(f"precision {fallback} instead of {requested}: {requested} needs a CUDA GPU")

@@ -13,6 +13,7 @@ three steps on half the tokens move the weights 5e-4 away at 1e-4.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,6 +187,23 @@ def test_fsdp_shards_and_gives_the_same_model(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert max_difference(tmp_path / "single" / "final" / "model.safetensors",
                           tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    # and FSDP resumes from its own: the chunked loss's start-up check (one forward pass) left the
+    # root unit gathered, and loading the checkpoint failed (exit 4)
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "fsdp", again)
+    shutil.rmtree(again / "checkpoints" / "step_000004")
+    shutil.rmtree(again / "final")
+    fsdp_again = ["train", "--output", str(again), "--batch-size", "2", "--num-processes", "2", "--fsdp", *common,
+                  "--hang-timeout", "120"]
+    resumed = ptbr(*fsdp_again)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max_difference(again / "final" / "model.safetensors", tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    # a run resumed at --max-steps trains no step and writes final/ again: the main rank alone asked
+    # the sharded model for its weights (a collective) and waited forever (the watchdog: exit 8)
+    shutil.rmtree(again / "final")
+    rewritten = ptbr(*fsdp_again)
+    assert rewritten.returncode == 0, rewritten.stderr[-3000:]
+    assert max_difference(again / "final" / "model.safetensors", tmp_path / "one" / "final" / "model.safetensors") < 1e-5
 
 
 def test_the_chunked_loss_under_ddp_and_fsdp_gives_the_same_model(tmp_path):

@@ -54,6 +54,10 @@ class Backend(Protocol):
 
     def parameter_count(self, step: TrainingStep) -> int: ...
 
+    def gather_model(self, step: TrainingStep) -> None:
+        """Every rank, before the main rank writes the model: a sharded model's weights gathered
+        (FSDP; a collective), where the last checkpoint did not gather them already."""
+
     def write_model(self, step: TrainingStep, directory: Path) -> None:
         """The trained model's weights and config.json, as a Hugging Face folder (the run adds the tokenizer)."""
 

@@ -140,6 +140,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
                 {"run": {"identity": run_identity, "eval_windows": planned}},
                 watchdog=watchdog, world=world)
     watchdog.beat("writing final/")
+    backend.gather_model(step)  # every rank (FSDP: a run resumed at --max-steps has trained no step here)
 
     def fill(directory: Path) -> None:
         backend.write_model(step, directory)

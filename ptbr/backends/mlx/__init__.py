@@ -85,6 +85,9 @@ class MlxBackend:
 
         return count_parameters(step.model)
 
+    def gather_model(self, step: MlxStep) -> None:
+        """One process holds the whole model."""
+
     def write_model(self, step: MlxStep, directory: Path) -> None:
         """A Hugging Face folder (fp32 model.safetensors, config.json for LlamaForCausalLM)."""
         from ptbr.backends.mlx.models import write_hf_model

@@ -96,6 +96,9 @@ class TorchBackend:
 
         return count_parameters(step.model)
 
+    def gather_model(self, step: TorchStep) -> None:
+        step.gather_whole()
+
     def write_model(self, step: TorchStep, directory: Path) -> None:
         # sharded (FSDP): the whole weights gathered for the checkpoint of the last step
         weights = dict(step.exported) if step.exported is not None else None

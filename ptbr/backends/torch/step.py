@@ -44,6 +44,9 @@ class TorchStep:
             self.scaler = torch.amp.GradScaler(placement.device.type, enabled=fp16)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.exported: dict | None = None  # FSDP: the whole weights of the last checkpoint (main rank)
+        # FSDP: whether `exported` holds the current weights, known alike on every rank (saving and
+        # gathering are collectives: a rank deciding alone would leave the others waiting)
+        self.gathered = False
         # --chunked-loss: the logits a chunk of tokens at a time (ptbr/backends/torch/loss.py) where
         # the whole would be larger than one chunk; None: the whole logits, through the output layer
         self.chunked_loss = chunked_loss
@@ -52,6 +55,8 @@ class TorchStep:
             from ptbr.backends.torch.loss import chunkable_head
 
             self.head, self.whole_logits_why = chunkable_head(model, placement.autocast)
+            if sharded:  # its probe's forward pass left FSDP's root unit gathered (loading a state then fails)
+                model.reshard()
         # fine-tuning's right-padded batches go without their attention mask where the model is a
         # causal decoder (ptbr/backends/torch/padding.py): less memory, SDPA's causal kernel
         self.keeps_padding_mask = True
@@ -171,6 +176,7 @@ class TorchStep:
         elif not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.gathered = False
         return StepResult(loss, grad_norm, targets, inputs, skipped)
 
     def eval_loss(self, batches: list[Batch]) -> float:
@@ -218,6 +224,7 @@ class TorchStep:
             if self.placement.device.type == "cuda":  # each rank's GPU draws its own dropout masks
                 own = torch.cuda.get_rng_state(self.placement.device)
                 rng["cuda_by_rank"] = [state.cpu() for state in self.world.gather(own)]
+        self.gathered = True
         if directory is None:
             return
         self.exported = weights
@@ -247,7 +254,9 @@ class TorchStep:
             set_model_state_dict(self.model, load_file(str(directory / "model.safetensors")), options=whole)
         else:
             load_model(self.model, str(directory / "model.safetensors"), device=str(self.placement.device))
-        optimizer = torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.placement.device)
+        # sharded: the whole AdamW state stays in host memory, and each rank's GPU gets its shard only
+        where = "cpu" if self.sharded else self.placement.device
+        optimizer = torch.load(directory / "optimizer.pt", weights_only=True, map_location=where)
         if isinstance(optimizer["param_groups"][0]["params"][0], int):
             self.optimizer.load_state_dict(optimizer)  # saved by an earlier ptbr, in torch's own numbering
         else:
@@ -267,6 +276,17 @@ class TorchStep:
         cuda_by_rank = rng.get("cuda_by_rank")
         if cuda_by_rank and len(cuda_by_rank) == self.world.size > 1 and self.placement.device.type == "cuda":
             torch.cuda.set_rng_state(cuda_by_rank[self.world.rank], self.placement.device)
+
+    def gather_whole(self) -> None:
+        """FSDP, on every rank: the whole current weights to the main rank (`exported`) for final/,
+        unless the last checkpoint gathered them already; a no-op in one process and with DDP."""
+        if not self.sharded or self.gathered:
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        weights = whole_weights(self.model, StateDictOptions(full_state_dict=True, cpu_offload=True))
+        self.exported = weights if self.world.is_main else None
+        self.gathered = True
 
     def memory_bytes(self) -> int:
         from ptbr.backends.torch.device import memory_in_use

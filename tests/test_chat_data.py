@@ -209,7 +209,6 @@ def test_collate_pads_right_and_ignores_padding():
     assert batch["labels"].tolist() == [[2, 3, 4], [2, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert [len(b["input_ids"]) for b in fixed_batches(examples_of([2] * 5), 2, 0)] == [2, 2, 1]
-    assert len(fixed_batches(examples_of([2] * 5), 2, 0, max_batches=2)) == 2
 
 
 def test_validate_data_cli(tmp_path, capsys):

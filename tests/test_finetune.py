@@ -539,3 +539,23 @@ def test_a_run_resumes_with_its_base_found_at_another_path(toy, tmp_path, capsys
     (moved / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))
     assert main(["finetune", "--base", str(moved), *common, "--max-steps", "3"]) == 2
     assert "base_files is " in capsys.readouterr().err
+
+
+def test_a_resume_at_another_micro_batch_validates_on_the_same_examples(toy, tmp_path, capsys):
+    """--eval-batches 1 at batch 4 is 4 validation examples; resumed as 2 x grad_accum 2 (the same
+    effective batch, allowed) it stays those 4 (not 1 batch of 2), so val_loss stays comparable with
+    the best one the run kept."""
+    import shutil
+
+    from ptbr.cli import main
+
+    out = tmp_path / "run"
+    common = ["--base", str(toy.base), "--data", str(toy.data), "--output", str(out), "--quant", "none",
+              "--eval-every", "2", "--eval-batches", "1"]
+    assert main(["finetune", *common, "--batch-size", "4", "--max-steps", "2", "--save-every", "2"]) == 0
+    assert "validation: 4 of 8 examples (1 batch), every 2 steps" in capsys.readouterr().err
+    shutil.rmtree(out / "adapters")
+    assert main(["finetune", *common, "--batch-size", "2", "--grad-accum", "2", "--max-steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "validation: 4 of 8 examples (2 batches), every 2 steps (as the run started; --eval-batches gives 2 now)" \
+        in err, err

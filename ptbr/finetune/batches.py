@@ -78,10 +78,6 @@ def nothing_to_learn(example: Example, pad_id: int) -> Batch:
     return batch
 
 
-def fixed_batches(examples: list[Example], batch_size: int, pad_id: int,
-                  max_batches: int | None = None) -> list[Batch]:
+def fixed_batches(examples: list[Example], batch_size: int, pad_id: int) -> list[Batch]:
     """Validation: the examples in file order, in batches of batch_size; the same at every evaluation."""
-    chunks = [examples[i:i + batch_size] for i in range(0, len(examples), batch_size)]
-    if max_batches is not None:
-        chunks = chunks[:max_batches]
-    return [collate(chunk, pad_id) for chunk in chunks]
+    return [collate(examples[i:i + batch_size], pad_id) for i in range(0, len(examples), batch_size)]

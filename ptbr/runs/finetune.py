@@ -198,19 +198,26 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     log(f"{len(train.examples)} training examples ({train.schema}), {source.steps_per_epoch} steps per epoch "
         f"(batch {settings.batch_size} x grad_accum {settings.grad_accum}): {settings.max_steps} steps = "
         f"{settings.max_steps / source.steps_per_epoch:.2f} epochs, warmup {settings.warmup_steps}")
-    eval_batches = None
-    if valid is not None:
-        # global batches (every rank's rows): the same evaluation at any number of processes
-        eval_batches = fixed_batches(valid.examples, settings.batch_size * world.size, pad_id, settings.eval_batches)
-        used = sum(len(b["input_ids"]) for b in eval_batches)
-        log(f"validation: {used} of {len(valid.examples)} examples ({len(eval_batches)} batches), "
-            f"every {settings.eval_every or settings.max_steps} steps")
-    else:
-        log("no validation set: adapters/ will hold the adapter of the last step")
-
     given, resume = loaded.resume
     if settings.resume != given:  # a retry after an out-of-memory, from the checkpoint this run wrote
         resume = find_resume(run_dir, settings, loaded.identity, world)
+    eval_batches, planned = None, None
+    if valid is not None:
+        # the validation examples the run started with, for its whole life (--eval-batches K takes
+        # K global batches: a resume at another micro-batch or process count, or --auto-fit's
+        # smaller one, would otherwise evaluate another set than its best val_loss was measured on)
+        recorded = ((resume.state or {}).get("run") or {}).get("eval_examples")
+        default = (len(valid.examples) if settings.eval_batches is None
+                   else min(len(valid.examples), settings.eval_batches * settings.batch_size * world.size))
+        planned = recorded if isinstance(recorded, int) and 0 < recorded <= len(valid.examples) else default
+        # global batches (every rank's rows): the same evaluation at any number of processes
+        eval_batches = fixed_batches(valid.examples[:planned], settings.batch_size * world.size, pad_id)
+        log(f"validation: {planned} of {len(valid.examples)} examples ({len(eval_batches)} "
+            f"batch{'es' if len(eval_batches) != 1 else ''}), "
+            f"every {settings.eval_every or settings.max_steps} steps"
+            + (f" (as the run started; --eval-batches gives {default} now)" if planned != default else ""))
+    else:
+        log("no validation set: adapters/ will hold the adapter of the last step")
     step = backend.finetune_step(adapted, settings)
     longest = max(len(e.ids) for e in train.examples) - 1  # tokens in a row of the worst micro-batch
     loss = backend.describe_loss(step, settings.batch_size * longest)
@@ -238,7 +245,8 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     })
     started = time.monotonic()
     schedule = resume.schedule or Schedule.from_settings(settings)
-    state = fit(step, source, eval_batches, settings, run_dir, state, schedule, {"run": {"identity": loaded.identity}},
+    state = fit(step, source, eval_batches, settings, run_dir, state, schedule,
+                {"run": {"identity": loaded.identity, "eval_examples": planned}},
                 keeper, watchdog=watchdog, world=world)
     watchdog.beat("writing the adapter and the summary")
     def write_results() -> dict:

@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("validate-data")
     p.add_argument("files", nargs="+", metavar="FILE_OR_DIR",
                    help="JSONL files; a directory stands for its train.jsonl and valid.jsonl")
+    p.add_argument("--valid", metavar="FILE", help="a validation file, checked as `ptbr finetune --data FILE --valid "
+                   "FILE` checks it: with the one training file given, in its format")
     p.add_argument("--base", help="a model directory: also check token lengths and the chat template")
     p.add_argument("--max-seq-len", type=int, help="length to check against (default: finetune's, "
                    f"{setting_default(FinetuneConfig, 'max_seq_len')})")
@@ -279,7 +281,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         from ptbr.errors import ConfigError
 
-        raise ConfigError(message, self.prog, f"see `{self.prog} --help`")
+        fix = f"see `{self.prog} --help`"
+        if message.endswith("required: prompt"):  # argparse reads a prompt like "-texto" as an option
+            fix = f'give the prompt; one that starts with "-" goes after --: {self.prog} --model M -- "-texto"'
+        raise ConfigError(message, self.prog, fix)
 
 
 def _report_native_crashes() -> None:

@@ -416,7 +416,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)  # YAML's: where it stopped (JSON's message says it)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None)
-        raise ConfigError(f"cannot parse config file: {first_line}{': ' + problem if problem else ''}{where}", str(path),
+        said = first_line + (f": {problem}" if problem and problem != first_line else "")
+        raise ConfigError(f"cannot parse config file: {said}{where}", str(path),
                           f"fix the {'YAML' if suffix != '.json' else 'JSON'} syntax there (the file must be UTF-8 "
                           "text)") from exc
     if not isinstance(data, dict):

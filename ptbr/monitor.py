@@ -370,7 +370,8 @@ def assess(run: Run, now: float | None = None, stall_after: float | None = None)
         status.warnings.append(f"diverging? the last {skipped} step(s) were skipped: loss or gradients not finite "
                                f"(the run stops after {MAX_BAD_STEPS_IN_A_ROW} in a row)")
     if status.state == "diverged":
-        status.warnings.append("lower --learning-rate or use --precision fp32/bf16, then resume or start over")
+        status.warnings.append("start over (--resume never) with a lower --learning-rate, or with --precision bf16 "
+                               "(or fp32) if it ran in fp16: a resume keeps the run's learning rate")
     status.warnings += _report_notes(run, owner)
     status.warnings = warnings + status.warnings
     return status

@@ -234,3 +234,13 @@ def test_validate_data_cli(tmp_path, capsys):
     assert "it holds 'prompt_completion' examples but the training file holds 'messages'" in out
     assert err.rstrip().endswith("fix: give a validation file of 'messages' examples, as the training file holds "
                                  "(or convert valid.jsonl to that format)"), err  # no line of it is wrong
+
+    # the two files named apart: each is a data set of its own (exit 0), and the note says how to
+    # check them as `finetune --data TRAIN --valid VALID` does (its verdict: exit 3)
+    train, valid = str(data / "train.jsonl"), str(data / "valid.jsonl")
+    assert main(["validate-data", train, valid]) == 0
+    assert "note: these files hold different formats (messages, prompt_completion)" in capsys.readouterr().out
+    assert main(["validate-data", train, "--valid", valid]) == 3
+    assert "it holds 'prompt_completion' examples but the training file holds 'messages'" in capsys.readouterr().out
+    assert main(["validate-data", train, train, "--valid", valid]) == 2
+    assert "--valid goes with one training file or directory, and 2 were given" in capsys.readouterr().err

@@ -76,6 +76,8 @@ def test_a_config_file_that_cannot_be_read_says_where_and_why(tmp_path):
     .json/.yaml/.yml is named (a YAML file called .txt was parsed as JSON: "Expecting value");
     a directory is not "not found"."""
     cases = {"bad.yaml": ("batch_size: [1, 2\nlr: 3\n", "expected ',' or ']', but got ':' at line 2, column 3"),
+             "indented.yaml": ("model_size: tiny\nmax_steps: 5\n  seq_len: 64\n",
+                               "cannot parse config file: mapping values are not allowed here at line 3, column 10"),
              "run.txt": ("batch_size: 2\n", "a config file is .json, .yaml or .yml, not .txt"),
              "bad.json": ('{"batch_size": 2,}', "Expecting property name enclosed in double quotes: line 1 column 18")}
     for name, (text, said) in cases.items():

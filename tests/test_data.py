@@ -141,6 +141,20 @@ def test_val_is_a_sample_of_the_documents_not_of_the_short_ones(tmp_path):
     assert 0.08 < meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"]) < 0.12
 
 
+def test_a_val_share_far_above_the_fraction_is_a_warning(tmp_path, capsys):
+    """Whole documents go to val: of two paragraphs one is val, whatever the fraction asked; prepare
+    says so (it said nothing, and the README promised a corpus too small gets no val.bin)."""
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("Era uma vez um rei.\n\nE uma rainha também, muito sábia.\n")
+    meta = prepare([str(corpus)], tmp_path / "out", vocab_size=300, val_fraction=0.005, show_progress=False)
+    share = meta["val_tokens"] / (meta["train_tokens"] + meta["val_tokens"])
+    assert meta["val_documents"] == 1 and share > 0.3
+    assert (f"warning: val.bin holds {share:.1%} of the tokens, --val-fraction asked 0.005: the corpus has too few "
+            "documents (2) for that share") in capsys.readouterr().err
+    prepare([str(corpus)], tmp_path / "none", vocab_size=300, val_fraction=0.0, show_progress=False)
+    assert "warning: val.bin" not in capsys.readouterr().err
+
+
 def test_text_that_spells_a_special_token_is_text(tmp_path):
     """A document that mentions "<|endoftext|>" or "<|pad|>" (web text about language models): its
     bytes, not a document boundary or padding in the middle of it."""

@@ -252,6 +252,7 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run / "adapters" / "mlx")], 6,
              "--output is or holds the adapter"),
         Case(["generate", "", "--model", str(toy.base)], 2, "prompt"),
+        Case(["generate", "--model", str(toy.base), "-texto"], 2, 'one that starts with "-" goes after --'),
         Case(["generate", "Oi", "--model", str(toy.base), "--temperature", "nan"], 2, "temperature"),
         Case(["generate", "Oi", "--model", str(toy.base), "--seed", "-5"], 2, "seed"),
         Case(["generate", "Oi", "--model", str(bases["model.safetensors:random"])], 4, ""),

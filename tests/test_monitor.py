@@ -318,7 +318,7 @@ def test_a_diverged_run_is_named_with_its_skipped_steps(tmp_path, capsys):
     shown = monitor(out, "--once").stdout
     assert field(shown, "status") == f"diverged at {ended}: {error}"
     assert field(shown, "skipped") == "4 step(s) with non-finite loss: 2, 3, 4, 5"
-    assert "warning: lower --learning-rate or use --precision fp32/bf16, then resume or start over" in shown
+    assert "warning: start over (--resume never) with a lower --learning-rate, or with --precision bf16 (or fp32) if it ran in fp16" in shown
 
 
 def test_a_crashed_run_is_stopped_and_its_crash_report_named(tmp_path, capsys, monkeypatch):

@@ -489,6 +489,9 @@ def test_fit_skips_non_finite_steps_and_stops_after_five_in_a_row(tmp_path):
     with pytest.raises(TrainingDiverged) as info:
         fit_tiny(tmp_path / "b", 10, poisoned_steps={2, 3, 4, 5, 6})
     assert info.value.what.startswith("loss or gradients not finite for 5 steps in a row (last: step 6, lr ")
+    # the run's own precision is not offered as the cure; a resume would keep the learning rate
+    assert info.value.fix == ("start over (--resume never, or another --output) with a lower --learning-rate (a "
+                              "resume keeps the run's learning rate)")
     assert read_state(tmp_path / "b" / "run" / "checkpoints" / "step_000005")["loop"]["skipped_steps"] == 4
 
 

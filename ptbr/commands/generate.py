@@ -172,9 +172,9 @@ def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> 
     """Whether the prompt is a user message in the chat template (True) or text to continue.
 
     ptbr's record of the training data decides where there is one (an adapter's, or a merged
-    model's, ptbr_adapter.json): fine-tuning saves a chat template with every tokenizer, including
-    those of models trained on prompt/completion or plain text. Otherwise a tokenizer with a chat
-    template means a chat model. --raw always continues the prompt as plain text."""
+    model's, ptbr_adapter.json): a base's own chat template is saved with its tokenizer whatever the
+    data, also for models trained on prompt/completion or plain text. Otherwise a tokenizer with a
+    chat template means a chat model. --raw always continues the prompt as plain text."""
     if raw:
         return False
     meta = read_adapter_meta(adapter_files(adapter) or model_dir)

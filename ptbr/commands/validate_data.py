@@ -12,16 +12,19 @@ from ptbr.finetune.data import data_paths, fix_of
 from ptbr.flags import setting_default
 
 
-def data_sets(paths: list[str]) -> list[tuple[Path, Path | None]]:
+def data_sets(paths: list[str], valid: str | None = None) -> list[tuple[Path, Path | None]]:
     """What to check: a directory stands for its train.jsonl and valid.jsonl (as finetune's --data
-    DIR does, checked as a pair); a file stands for itself."""
-    found = []
+    DIR does, checked as a pair); a file stands for itself, or with --valid for a training file
+    and its validation file (finetune's --data FILE --valid FILE)."""
     for name in paths:
-        path = Path(name)
-        if not path.exists():
+        if not Path(name).exists():
             raise DataError("not found", name, "give a .jsonl file, or a directory holding train.jsonl (and valid.jsonl)")
-        found.append(data_paths(name, None) if path.is_dir() else (path, None))
-    return found
+    if valid is not None:
+        if len(paths) != 1:
+            raise ConfigError(f"--valid goes with one training file or directory, and {len(paths)} were given",
+                              "ptbr validate-data", "give one training file with its --valid file")
+        return [data_paths(paths[0], valid)]
+    return [data_paths(name, None) if Path(name).is_dir() else (Path(name), None) for name in paths]
 
 
 def main(args) -> int:
@@ -49,8 +52,15 @@ def main(args) -> int:
         check_tokenizer_fits(args.base, tokenizer, config)
         positions = max_positions(config)
     # the verdict `ptbr finetune` and preflight give: the same function decides
-    reports = [r for train, valid in data_sets(args.files)
+    reports = [r for train, valid in data_sets(args.files, args.valid)
                for r in inspect_pair(train, valid, tokenizer, max_seq_len, args.drop_long, positions)]
+    formats = {r.schema for r in reports if r.schema}
+    if len(formats) > 1 and args.valid is None and len(args.files) > 1:
+        note = (f"note: these files hold different formats ({', '.join(sorted(formats))}); `ptbr finetune` needs a "
+                "validation file in its training file's format: check the two as a pair with "
+                "`ptbr validate-data TRAIN.jsonl --valid VALID.jsonl`")
+    else:
+        note = None
     if args.json:
         print(json.dumps([{"file": str(r.path), "format": r.schema, "examples": len(r.records),
                            "usable": len(r.examples) if tokenizer else None,
@@ -70,6 +80,8 @@ def main(args) -> int:
                 print(f"  warning: {warning}")
             if report.ok:
                 print("  ok")
+        if note:
+            print(note)
         if tokenizer is None:
             print("(give --base MODEL_DIR to also check token lengths and the chat template"
                   + (": --max-seq-len counts its tokens, and was not checked)" if args.max_seq_len is not None else ")"))

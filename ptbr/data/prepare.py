@@ -147,6 +147,12 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
     if not counts["val"] and val_fraction > 0:
         _log(f"warning: the corpus is too small for --val-fraction {val_fraction}: no val.bin written, "
              "training will not evaluate (raise --val-fraction or add text)")
+    share = counts["val"] / (counts["train"] + counts["val"])
+    if counts["val"] and share > 2 * val_fraction and share - val_fraction > 0.01:
+        # whole documents go to val: with few of them, one can be far more than the share asked
+        _log(f"warning: val.bin holds {share:.1%} of the tokens, --val-fraction asked {val_fraction:g}: the corpus "
+             f"has too few documents ({documents['train'] + documents['val']:,}) for that share to be met by whole "
+             "ones (add text, or split it into more documents with blank lines)")
     meta = {
         "format": META_FORMAT,
         "version": 1,

@@ -13,8 +13,6 @@ import re
 from pathlib import Path
 
 from ptbr.errors import ModelError
-from ptbr.finetune.data import use_default_chat_template
-from ptbr.log import log
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # config.json entries that must be positive integers wherever they appear
@@ -89,7 +87,8 @@ def load_error(what: str, base: str, exc: Exception) -> ModelError:
 
 
 def load_tokenizer(base: str, trust_remote_code: bool = False, download: bool = False):
-    """The base's tokenizer; one without a chat template gets DEFAULT_CHAT_TEMPLATE."""
+    """The base's tokenizer (one without a chat template gets DEFAULT_CHAT_TEMPLATE where chat
+    examples are encoded: ptbr.finetune.data)."""
     from transformers import AutoTokenizer
 
     check_base(base, download)
@@ -101,8 +100,6 @@ def load_tokenizer(base: str, trust_remote_code: bool = False, download: bool = 
     if tokenizer.eos_token_id is None:
         raise ModelError("the tokenizer has no end-of-sequence (eos) token", base,
                          "set eos_token in the base's tokenizer_config.json")
-    if use_default_chat_template(tokenizer):
-        log("the tokenizer has no chat template: using ptbr's default (see README, Fine-tuning)")
     return tokenizer
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from ptbr.data.batch import IGNORE_INDEX
 from ptbr.errors import DataError
+from ptbr.log import log
 
 ROLES = ("system", "user", "assistant")
 SCHEMAS = ("messages", "prompt_completion", "text")
@@ -229,10 +230,13 @@ class TemplateProblem(ValueError):
 
 
 def use_default_chat_template(tokenizer) -> bool:
-    """Give a tokenizer without a chat template the documented default; True if it was needed."""
+    """Give a tokenizer without a chat template the documented default, saying so once; True if it
+    was needed. Only chat examples and their prompts need one: prompt/completion and text data keep
+    the tokenizer as it is (and its adapter folder gets no template that would call it a chat model)."""
     if getattr(tokenizer, "chat_template", None):
         return False
     tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    log("the tokenizer has no chat template: chat examples use ptbr's default (see README, Fine-tuning)")
     return True
 
 
@@ -258,6 +262,7 @@ def _ended(ids: list[int], eos: int) -> list[int]:
 def encode_prompt(tokenizer, prompt: str, schema: str | None) -> list[int]:
     """The ids a trained model should continue from, encoded as its training examples were."""
     if schema == "messages":
+        use_default_chat_template(tokenizer)
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
         return _ids(tokenizer, text)
@@ -275,6 +280,7 @@ def _encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[b
     tokenize the pieces separately: the prompt/answer boundary is then a token boundary, exactly
     as at generation time, when the prompt is tokenized alone."""
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    use_default_chat_template(tokenizer)
 
     def render(turns: list[dict], generation_prompt: bool) -> str:
         try:

@@ -164,7 +164,7 @@ def out_of_memory_is_an_error(backend) -> Iterator[None]:
         raise DeviceError(f"out of memory on {backend.device}: {first_line(exc)[:160]}", "training",
                           "run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
                           "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config "
-                          "that fits; the last checkpoint is intact") from exc
+                          "that fits; a resume continues from the last checkpoint where one was written") from exc
 
 
 def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:

@@ -106,7 +106,8 @@ def resume_smaller_on_oom(backend, run: Callable[[Any], Any], settings, run_dir:
         smaller = halve(settings.batch_size, settings.grad_accum)
         if smaller is None:
             raise DeviceError(f"out of memory during the run at micro-batch 1 ({reason})", "--auto-fit",
-                              "turn on --gradient-checkpointing or lower --seq-len; the last checkpoint is intact")
+                              "turn on --gradient-checkpointing or lower --seq-len; a resume continues from the last "
+                              "checkpoint where one was written")
         newest = latest_checkpoint(run_dir)
         # only a checkpoint this run wrote: with --resume never, older ones stay ignored
         resume = str(newest) if newest is not None and newest != before else settings.resume

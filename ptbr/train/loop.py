@@ -232,4 +232,6 @@ def _check_finite(result: StepResult, state: LoopState, lr: float, precision: st
         raise TrainingDiverged(
             f"loss or gradients not finite for {state.bad_in_a_row} steps in a row (last: step {state.step}, "
             f"lr {lr:.3e}, precision {precision}, batch {location})",
-            "training", "lower --learning-rate or use --precision fp32/bf16; the last checkpoint is intact")
+            "training", "start over (--resume never, or another --output) with a lower --learning-rate"
+            + (", or with --precision bf16 (or fp32): fp16 overflows where they do not" if precision == "fp16" else "")
+            + " (a resume keeps the run's learning rate)")

@@ -123,6 +123,17 @@ def mlx_lm_speed(base: Path, data: Path, output: Path, args) -> dict:
 SPEEDS = {"ptbr": ptbr_speed, "mlx_lm": mlx_lm_speed}
 
 
+def cpu_model() -> str:
+    """The CPU's model name where the system says it (Linux), else its architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -172,7 +183,7 @@ def main() -> None:
                 runs[name].append(json.loads(result.read_text()))
     speeds = {name: [r["tokens_per_s"] for r in found] for name, found in runs.items()}
     ours, theirs = statistics.median(speeds["ptbr"]), statistics.median(speeds["mlx_lm"])
-    device = f"Metal ({mx.device_info().get('device_name', 'GPU')})" if metal else f"mlx[cpu] ({platform.processor() or platform.machine()})"
+    device = f"Metal ({mx.device_info().get('device_name', 'GPU')})" if metal else f"mlx[cpu] ({cpu_model()})"
     command = " ".join(["python benchmarks/mlx_lora_speed.py", *sys.argv[1:]])
     result = {"device": device, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dtype": dtype,
               "settings": vars(args) | {"worker": None},

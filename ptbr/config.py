@@ -64,7 +64,7 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny", 128, 4, 4, 4, 352, 512, learning_rate=3e-3),
         ModelPreset("85m", 640, 14, 10, 5, 1728, 2048, learning_rate=6e-4),  # 84.2M at a 32k vocab
         ModelPreset("400m", 1024, 28, 16, 16, 2816, 2048, learning_rate=3e-4),  # 392.5M at a 32k vocab
-        ModelPreset("800m", 1536, 26, 24, 24, 4096, 2048, learning_rate=2.5e-4),  # 785.4M at a 32k vocab
+        ModelPreset("800m", 1536, 26, 24, 24, 4096, 2048, learning_rate=2.5e-4),  # 785.3M at a 32k vocab
     )
 }
 

@@ -86,7 +86,9 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     # the matrix multiplies' time bounds any trainer's ratio: a number > 1 on the Trainer's row
     floor = [row for row in pretrain if "matmul_ceiling" in row]
     assert len(floor) == 1 and floor[0]["reference"] == "HF Trainer" and floor[0] not in compiled
-    assert 0 < floor[0]["matmul_share"] <= 1 and 0 < floor[0]["matmul_s"] < floor[0]["floor_step_s"] < 1
+    # (the multiplies are timed under the profiler and the step without it: on a loaded machine the
+    # first can exceed the second, and the share is then capped at 1)
+    assert 0 < floor[0]["matmul_share"] <= 1 and floor[0]["matmul_s"] > 0 and 0 < floor[0]["floor_step_s"] < 1
     assert floor[0]["matmul_ceiling"] > 0
     table = (tmp_path / "speed_cpu_quick.md").read_text()
     assert table.count("\n| ") == len(result["rows"]) + 1  # the header, then one line per row

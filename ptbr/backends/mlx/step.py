@@ -5,8 +5,8 @@ Compiled functions take the model and MLX's random generator as their state (as 
 does; the AdamW update is compiled too, ptbr/backends/mlx/optimizer.py), and every step ends with
 `mx.eval` on the loss, the weights and the optimizer state: a lazy graph that is never evaluated
 grows until the process stalls. Batches are
-padded to a few shapes (lengths in powers of two from 32, rows to the micro-batch size), because
-each new shape is a new compilation, and on Metal one per distinct length exhausted the GPU's
+padded to a few shapes (lengths 32, 48, 64, 96, 128, 192, ...: ptbr.memory.mlx_bucket_length; rows
+to the micro-batch size), because each new shape is a new compilation, and on Metal one per distinct length exhausted the GPU's
 buffers (mlx issue #4464).
 """
 

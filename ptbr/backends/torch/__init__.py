@@ -120,8 +120,7 @@ class TorchBackend:
                          settings.max_grad_norm, self.world, self.parallel(model),
                          chunked_loss=settings.chunked_loss, right_padded=True)
         log("padded micro-batches: " + (
-            "with their attention mask (this model's logits depend on it beyond causal attention)"
-            if step.keeps_padding_mask else
+            f"with their attention mask ({step.padding_mask_why})" if step.keeps_padding_mask else
             "without their attention mask (a causal decoder: the pads come after every token the loss covers)"))
         return step
 

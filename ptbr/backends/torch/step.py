@@ -59,11 +59,13 @@ class TorchStep:
                 model.reshard()
         # fine-tuning's right-padded batches go without their attention mask where the model is a
         # causal decoder (ptbr/backends/torch/padding.py): less memory, SDPA's causal kernel
-        self.keeps_padding_mask = True
+        self.keeps_padding_mask, self.padding_mask_why = True, None
         if right_padded:
             from ptbr.backends.torch.padding import padding_mask_needed
 
-            self.keeps_padding_mask = padding_mask_needed(model)
+            self.padding_mask_why = padding_mask_needed(model, placement.autocast,
+                                                        half=placement.precision in ("fp16", "bf16"))
+            self.keeps_padding_mask = self.padding_mask_why is not None
         # --compile: training steps run the forward pass (and the whole logits' loss) compiled;
         # evaluation stays eager (no_grad would be a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext

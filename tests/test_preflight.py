@@ -589,3 +589,20 @@ def test_a_mixture_of_experts_base_gets_no_plan_of_a_dense_one():
     assert check.status == FAIL and check.name == "model.architecture"
     assert "MixtralForCausalLM is a mixture-of-experts decoder (num_local_experts 8)" in check.message
     assert mixture_of_experts(MISTRAL_7B) is None and mixture_of_experts(MISTRAL_7B | {"num_experts": 1}) is None
+
+
+def test_a_shorter_sequence_says_what_it_costs_and_the_full_length_alternative():
+    """800m on one T4: the plan keeps 32 sequences per step at 256 tokens. It said "the effective
+    batch is unchanged", while a step now holds a quarter of the tokens and the model trains on
+    256-token contexts; it says so, and what keeps 1024-token contexts instead."""
+    rec = recommend(MACHINES["t4"], pretrain_request("800m"), Architecture.from_preset(PRESETS["800m"], VOCAB),
+                    max_positions=PRESETS["800m"].max_position_embeddings)
+    assert rec.settings.seq_len == 256
+    assert ("tokens per step fall from 32,768 to 8,192 (the effective batch counts sequences, now 256 tokens long), "
+            "and the model trains on 256-token contexts: 4x --max-steps sees the same tokens") in "\n".join(rec.reasons)
+    assert not any("the effective batch is unchanged" in r for r in rec.reasons)
+    (alternative,) = [r for r in rec.reasons if r.startswith("to keep 1024-token contexts instead")]
+    batch = int(alternative.split("--batch-size ")[1].split()[0])
+    s = dataclasses.replace(rec.settings, batch_size=batch, grad_accum=1, seq_len=1024, gradient_checkpointing=True)
+    assert estimate_run(s, Architecture.from_preset(PRESETS["800m"], VOCAB), "cuda", batch, 1024, s.precision, True,
+                        1, grad_accum=1).total <= rec.budget

@@ -252,7 +252,23 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
         if not asked.total <= budget:
             reasons.append(f"the requested micro-batch {requested.batch_size} x {planned} tokens would need "
                            f"{gib(asked.total)}")
-        reasons.append(f"learning_rate {requested.learning_rate:g} unchanged: the effective batch is unchanged")
+        if length < planned and mode == "finetune":
+            reasons.append(f"examples longer than {length} tokens are cut to it (or dropped with --drop-long); "
+                           f"learning_rate {requested.learning_rate:g} unchanged")
+        elif length < planned:
+            reasons.append(f"tokens per step fall from {effective * planned:,} to {effective * length:,} (the effective "
+                           f"batch counts sequences, now {length} tokens long), and the model trains on {length}-token "
+                           f"contexts: {planned // length}x --max-steps sees the same tokens; learning_rate "
+                           f"{requested.learning_rate:g} unchanged")
+            whole = next((b for b in _divisors_descending(share) if estimate_run(
+                dataclasses.replace(requested, **sharding), arch, target, b, planned, precision, True, processes,
+                grad_accum=1).total <= budget), None)
+            if whole is not None:  # without accumulation no earlier micro-batch's gradients are kept
+                reasons.append(f"to keep {planned}-token contexts instead: --batch-size {whole} --grad-accum 1 "
+                               f"--gradient-checkpointing fits (an effective batch of {whole * processes} sequences, "
+                               "not the one asked; lower the learning rate to match)")
+        else:
+            reasons.append(f"learning_rate {requested.learning_rate:g} unchanged: the effective batch is unchanged")
     if mode == "finetune" and examples:
         steps, epochs = -(-examples // effective), requested.epochs
         reasons.append(f"{examples} training examples / {effective} per step = {steps} steps per epoch, "

@@ -606,3 +606,15 @@ def test_a_shorter_sequence_says_what_it_costs_and_the_full_length_alternative()
     s = dataclasses.replace(rec.settings, batch_size=batch, grad_accum=1, seq_len=1024, gradient_checkpointing=True)
     assert estimate_run(s, Architecture.from_preset(PRESETS["800m"], VOCAB), "cuda", batch, 1024, s.precision, True,
                         1, grad_accum=1).total <= rec.budget
+
+
+def test_several_gpus_are_planned_by_the_one_with_least_free_memory():
+    """Every rank holds the same micro-batch: a second T4 with 8 GiB in use by something else sets
+    the budget (the plan read GPU 0 only, and rank 1 ran out of memory)."""
+    busy = dataclasses.replace(T4, memory_free=7 * GIB)
+    rec = recommend(linux([T4, busy]), pretrain_request("400m"), Architecture.from_preset(PRESETS["400m"], VOCAB),
+                    max_positions=PRESETS["400m"].max_position_embeddings)
+    assert rec.budget == int(0.9 * 7 * GIB)
+    assert any(r.startswith("GPU 1 Tesla T4: 7.0 GiB of 14.7 GiB free (the least free of the 2 GPUs the run uses)")
+               for r in rec.reasons), rec.reasons
+    assert rec.estimate.total <= rec.budget

@@ -136,12 +136,17 @@ def choose_precision(hardware: Hardware, target: str, requested: str, reasons: l
     return fallback
 
 
-def memory_budget(hardware: Hardware, target: str, reasons: list[str]) -> int:
+def memory_budget(hardware: Hardware, target: str, reasons: list[str], processes: int = 1) -> int:
+    """Bytes a run may plan into on each device it uses: with several processes, each GPU holds the
+    same micro-batch, so the GPU with the least free memory (of the first `processes`, the ones
+    the ranks take) decides."""
     gib = lambda n: f"{n / GIB:.1f} GiB"  # noqa: E731
     if target == "cuda" and hardware.gpus:
-        gpu = hardware.gpus[0]
+        used = hardware.gpus[:max(1, processes)]
+        index, gpu = min(enumerate(used), key=lambda pair: pair[1].memory_free)
         budget = int(USABLE_FRACTION["cuda"] * gpu.memory_free)
-        reasons.append(f"GPU 0 {gpu.name}: {gib(gpu.memory_free)} of {gib(gpu.memory_total)} free, "
+        least = f" (the least free of the {len(used)} GPUs the run uses)" if len(used) > 1 else ""
+        reasons.append(f"GPU {index} {gpu.name}: {gib(gpu.memory_free)} of {gib(gpu.memory_total)} free{least}, "
                        f"planning for {gib(budget)} ({USABLE_FRACTION['cuda']:.0%}) on each GPU the run uses")
         return budget
     fraction = USABLE_FRACTION.get(target, USABLE_FRACTION["cpu"])
@@ -172,8 +177,8 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
     key = seq_key(mode)
     target = choose_target(hardware, mode, requested.device, requested.backend)
     precision = choose_precision(hardware, target, requested.precision, reasons, mode)
-    budget = memory_budget(hardware, target, reasons)
     processes = plan_processes(hardware, target, requested, reasons)
+    budget = memory_budget(hardware, target, reasons, processes)
     effective = requested.batch_size * requested.grad_accum * requested_processes(hardware, target, requested)
     if effective % processes:
         processes = max(d for d in range(1, processes + 1) if effective % d == 0)

@@ -28,14 +28,18 @@ LEFTOVER_PREFIXES = (".tmp-", ".old-")
 
 OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # How libraries that hide the errno report the same thing: safetensors (Rust) keeps the OS text,
-# torch.save's C++ writer only says that it could not write ("unexpected pos ...").
+# torch.save's C++ writer only says that it could not write ("unexpected pos ..."), which is a full
+# disk where little space is left, and an I/O error or a file system gone read-only elsewhere.
 OUT_OF_SPACE_TEXT = re.compile(
-    r"no space left|file too large|quota exceeded|os error (28|27|122)\b|StorageFull|FileTooLarge|"
-    r"unexpected pos|PytorchStreamWriter failed", re.IGNORECASE)
+    r"no space left|file too large|quota exceeded|os error (28|27|122)\b|StorageFull|FileTooLarge", re.IGNORECASE)
+WRITE_FAILED_TEXT = re.compile(r"unexpected pos|PytorchStreamWriter failed", re.IGNORECASE)
+LOW_SPACE = 256 * 1024 * 1024  # below this much free space, a write that failed for no said reason is a full disk
 
 
-def out_of_space(exc: BaseException) -> bool:
-    """True when `exc` (or what caused it) is a full disk, a file-size limit or a quota."""
+def out_of_space(exc: BaseException, where: Path | str | None = None) -> bool:
+    """True when `exc` (or what caused it) is a full disk, a file-size limit or a quota. A write
+    that failed without saying why (torch.save's) counts where `where`'s disk is nearly full, or
+    where is not given."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -43,13 +47,32 @@ def out_of_space(exc: BaseException) -> bool:
             return True
         if not isinstance(exc, OSError) and OUT_OF_SPACE_TEXT.search(str(exc)):
             return True
+        if not isinstance(exc, OSError) and WRITE_FAILED_TEXT.search(str(exc)):
+            return where is None or _free_bytes(Path(where)) < LOW_SPACE or _file_size_limited()
         exc = exc.__cause__ or exc.__context__
     return False
 
 
+def _file_size_limited() -> bool:
+    """Whether this process has a file size limit (ulimit -f), which a failed write may have hit."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+
+
+def _free_bytes(path: Path) -> int:
+    """Free space on the disk of `path` (or of its nearest existing parent); large when unknown."""
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return 1 << 62
+
+
 def write_error(exc: BaseException, what: str, where: Path | str, fix: str | None = None) -> OutputError | None:
     """The OutputError for a failed write of `what`, or None when `exc` is not about writing."""
-    if out_of_space(exc):
+    if out_of_space(exc, where):
         return OutputError(f"the disk filled up (or a file size limit or quota was hit) while writing {what}: "
                            f"{first_line(exc)}", str(where),
                            f"{fix or 'free space where the output goes'}; what was saved before is intact")
@@ -61,6 +84,11 @@ def write_error(exc: BaseException, what: str, where: Path | str, fix: str | Non
                errno.EROFS: "the file system is read-only: choose another output path"}.get(
             exc.errno, "check the permissions and free space of the output directory")
         return OutputError(f"cannot write {what}: {exc.strerror or exc}", str(where), fix)
+    if WRITE_FAILED_TEXT.search(str(exc)):  # torch.save's writer, space left and no size limit
+        free = _free_bytes(Path(where)) / 1024**3
+        return OutputError(f"cannot write {what}: {first_line(exc)} (torch gives no reason; {free:.1f} GiB are free "
+                           "there)", str(where), "check the output's disk: a quota, an I/O error, or a file system "
+                           "gone read-only; what was saved before is intact")
     return None
 
 

@@ -22,7 +22,7 @@ import psutil
 
 from ptbr.errors import ConfigError
 from ptbr.files import LEFTOVER_PREFIXES
-from ptbr.train.checkpoint import checkpoints_dir, read_state
+from ptbr.train.checkpoint import checkpoints_dir, complete_checkpoints, read_state
 from ptbr.train.lock import LOCK_FILE
 from ptbr.train.loop import MAX_BAD_STEPS_IN_A_ROW
 from ptbr.train.metrics import read_metrics
@@ -224,10 +224,7 @@ def _read_log(path: Path) -> list[LogLine]:
 
 
 def _newest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    folder = checkpoints_dir(run_dir)
-    if not folder.is_dir():
-        return None
-    for path in sorted(folder.glob("step_*"), reverse=True):
+    for path in reversed(complete_checkpoints(run_dir, quiet=True)):  # by step number, newest first
         state = read_state(path)
         if state is not None:
             return Checkpoint(state["step"], path, _mtime(path / "trainer_state.json") or 0.0)

@@ -186,3 +186,22 @@ def test_run_config_and_summary_json(tmp_path):
         write_json(tmp_path / "training_summary.json", {"steps": 2, "padding": "x" * 100})
     assert json.loads((tmp_path / "training_summary.json").read_text()) == {"steps": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["training_summary.json"]
+
+
+def test_a_write_torch_fails_without_a_reason_is_a_full_disk_only_where_it_can_be(tmp_path, monkeypatch):
+    """torch.save's C++ writer hides the errno ("PytorchStreamWriter failed ..."). Where the disk
+    has room and no file size limit is set, "the disk filled up; free space" would send the user
+    the wrong way (an I/O error, a read-only file system, a quota): the message says what is known."""
+    import ptbr.files as files
+
+    failed = RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                          "data/0: file write failed")
+    monkeypatch.setattr(files, "_file_size_limited", lambda: False)
+    error = files.write_error(failed, "the checkpoint of step 4", tmp_path)
+    assert error.what.startswith("cannot write the checkpoint of step 4: ") and "torch gives no reason" in error.what
+    assert error.fix.startswith("check the output's disk: a quota, an I/O error, or a file system gone read-only")
+    monkeypatch.setattr(files, "_free_bytes", lambda path: 10 * MB)  # nearly full: that is the likely cause
+    assert files.write_error(failed, "the checkpoint of step 4", tmp_path).what.startswith("the disk filled up")
+    monkeypatch.setattr(files, "_free_bytes", lambda path: 10**12)
+    monkeypatch.setattr(files, "_file_size_limited", lambda: True)  # ulimit -f: the limit is the likely cause
+    assert files.write_error(failed, "the checkpoint of step 4", tmp_path).what.startswith("the disk filled up")

@@ -527,6 +527,26 @@ def test_a_checkpoint_counts_when_every_file_has_its_recorded_size_and_is_intact
     assert latest_checkpoint(tmp_path) is None
 
 
+def test_checkpoints_past_step_999999_are_ordered_by_their_step(tmp_path, monkeypatch):
+    """step_1000000 sorts before step_999999 as text: --keep-last deleted the newest ones and a
+    resume went back to step 999,999. A checkpoint that is skipped says why."""
+    step = backend(tiny_model())
+    schedule = {"peak_lr": 1e-3, "warmup_steps": 0, "horizon": 5, "min_lr_ratio": 0.1}
+    for number in (999_998, 999_999, 1_000_000, 1_000_001):
+        save_checkpoint(tmp_path, number, step, {"loop": {"step": number}, "scheduler": schedule}, keep_last=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_1000000", "step_1000001"]
+    assert latest_checkpoint(tmp_path).name == "step_1000001"
+    assert not list((tmp_path / "checkpoints").glob(".old-*"))  # pruned whole
+    import ptbr.train.checkpoint as checkpoint
+
+    said: list[str] = []
+    monkeypatch.setattr(checkpoint, "log", said.append)
+    (tmp_path / "checkpoints" / "step_1000001" / "rng.pt").unlink()
+    assert latest_checkpoint(tmp_path).name == "step_1000000"
+    assert said == [f"warning: skipping incomplete or corrupt checkpoint {tmp_path / 'checkpoints' / 'step_1000001'}: "
+                    "rng.pt is missing"]
+
+
 @pytest.mark.parametrize("field, value", [("elapsed_s", "soon"), ("best_val_loss", "low"), ("best_step", [3]),
                                           ("tokens_seen", 1.5)])
 def test_a_trainer_state_with_a_malformed_loop_value_is_not_a_checkpoint(tmp_path, field, value):

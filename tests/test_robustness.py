@@ -143,6 +143,36 @@ def test_validate_data_lists_every_problem_with_its_line(tmp_path):
 # ---- one run per output directory ------------------------------------------------------------
 
 
+def test_a_run_that_loses_the_lock_of_a_new_directory_leaves_the_winner_s_directory(tmp_path, monkeypatch):
+    """Two runs started at once on a new --output: both saw it missing; the one that lost the lock
+    failed (exit 6) and, taking the directory for one it had made, deleted the winner's (which
+    held only its log and lock yet), so both failed. Only a run that held the lock removes."""
+    import ptbr.runs.common as common
+    from ptbr.config import PretrainConfig
+    from ptbr.errors import OutputError
+    from ptbr.train.lock import RunLock
+
+    out = tmp_path / "run"
+    real_create = common.create_run_dir
+    winner: dict = {}
+
+    def the_other_run_first(output: str) -> Path:  # the winner creates and locks between our two looks
+        made = real_create(output)
+        winner["lock"] = RunLock(made).acquire()
+        (made / "train.log").write_text("the winner's log\n")
+        return made
+
+    monkeypatch.setattr(common, "create_run_dir", the_other_run_first)
+    try:
+        with pytest.raises(OutputError, match="another ptbr run"):
+            with common.open_run(PretrainConfig(output=str(out))):
+                pass
+        assert (out / "train.log").read_text() == "the winner's log\n" and (out / ".ptbr.lock").exists()
+        assert not list(out.glob(".tmp-*"))  # the probe of writability, removed
+    finally:
+        winner["lock"].release()
+
+
 @pytest.mark.slow
 def test_a_second_run_on_the_same_output_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
     out = tmp_path / "run"

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import time
 import traceback
@@ -59,7 +60,7 @@ def create_run_dir(output: str) -> Path:
                           "what --data names")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
+        probe = run_dir / f".tmp-write-test-{os.getpid()}"  # its own name: two runs starting at once
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
@@ -133,16 +134,19 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
         if "log" in held and not isinstance(exc, SystemExit):
             to_file_only(held["log"], error_line(exc, "crash_report.txt in this directory"))
         # a user's error (bad data, a checkpoint refused) or a stop before the run wrote anything: the
-        # directory this run made holds only its log and lock, and would read as a run that started
-        stopped_before_any_work = isinstance(exc, PtbrError | KeyboardInterrupt) and held.get("created", False)
+        # directory this run made holds only its log and lock, and would read as a run that started.
+        # Only a run that held the lock removes it: a run that lost the lock to another one started
+        # at the same moment would delete the winner's directory
+        stopped_before_any_work = (isinstance(exc, PtbrError | KeyboardInterrupt) and held.get("created", False)
+                                   and "lock" in held)
         raise
     finally:
         if "log" in held:
             detach(held["log"])
+        if stopped_before_any_work:
+            _remove_if_only_its_log(Path(settings.output))  # still holding the lock
         if "lock" in held:
             held["lock"].release()
-        if stopped_before_any_work:
-            _remove_if_only_its_log(Path(settings.output))
 
 
 def _remove_if_only_its_log(run_dir: Path) -> None:

@@ -10,6 +10,8 @@ is passed over with a message and the previous checkpoint is used.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -48,7 +50,14 @@ def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_
                             fix="free space, or keep fewer checkpoints with --keep-last")
     if keep_last > 0:
         for old in complete_checkpoints(run_dir, quiet=True)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            # renamed first: a delete cut short leaves a leftover the next start removes, never a
+            # half-deleted step_N that every later run warns about
+            doomed = old.with_name(f".old-{old.name}-{os.getpid()}")
+            try:
+                old.rename(doomed)
+            except OSError:
+                doomed = old
+            shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 
@@ -130,16 +139,20 @@ def corruption(path: Path, state: dict) -> str | None:
 
 
 def complete_checkpoints(run_dir: Path, quiet: bool = False) -> list[Path]:
-    """Complete checkpoints, oldest first; incomplete ones are reported and passed over."""
+    """Complete checkpoints, oldest first (by step number: step_1000000 comes after step_999999,
+    which a sort by name would put first); incomplete ones are reported and passed over."""
     folder = checkpoints_dir(run_dir)
     if not folder.is_dir():
         return []
+    numbered = [(int(match.group(1)), path) for path in folder.glob("step_*")
+                if (match := re.fullmatch(r"step_(\d+)", path.name)) and path.is_dir()]
     found = []
-    for path in sorted(folder.glob("step_*")):
-        if read_state(path) is not None:
+    for _, path in sorted(numbered):
+        state, why = _checked_state(path)
+        if state is not None:
             found.append(path)
         elif not quiet:
-            log(f"warning: skipping incomplete or corrupt checkpoint {path}")
+            log(f"warning: skipping incomplete or corrupt checkpoint {path}: {why}")
     return found
 
 

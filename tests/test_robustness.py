@@ -454,3 +454,28 @@ def test_checkpoint_states_load_without_unpickling_code(tmp_path):
     for name in ("optimizer.pt", "scaler.pt", "rng.pt"):
         torch.load(out / "checkpoints" / "step_000001" / name, weights_only=True)
     assert os.path.getsize(out / "checkpoints" / "step_000001" / "model.safetensors") > 4_000_000
+
+
+def test_a_previous_run_is_moved_aside_across_file_systems(tmp_path, monkeypatch):
+    """OUTPUT/checkpoints linked to another disk: a rename across file systems fails (EXDEV), and
+    --resume never (or a corrupt newest checkpoint) stopped with "cannot move the previous run's
+    files aside". They are copied across, then removed."""
+    import errno as errors
+
+    from ptbr.runs.common import move_previous_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "model.safetensors").write_bytes(b"weights")
+    (run / "metrics.jsonl").write_text("{}\n")
+    real_rename = Path.rename
+
+    def across(self, target):
+        if self.name == "checkpoints":
+            raise OSError(errors.EXDEV, "Invalid cross-device link")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", across)
+    moved = move_previous_run(run)
+    assert (moved / "checkpoints" / "step_000002" / "model.safetensors").read_bytes() == b"weights"
+    assert (moved / "metrics.jsonl").is_file() and not (run / "checkpoints").exists()

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import time
@@ -187,7 +188,13 @@ def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | N
         for path in found:
             destination = target / path.relative_to(run_dir)
             destination.parent.mkdir(parents=True, exist_ok=True)
-            path.rename(destination)
+            try:
+                path.rename(destination)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                # checkpoints/ linked to another disk: copied there, then removed here
+                shutil.move(str(path), str(destination))
     except OSError as exc:
         raise OutputError(f"cannot move the previous run's files aside: {exc.strerror or exc}", str(run_dir),
                           "check the permissions of the output directory, or choose another --output") from exc

@@ -537,6 +537,10 @@ def test_checkpoints_past_step_999999_are_ordered_by_their_step(tmp_path, monkey
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_1000000", "step_1000001"]
     assert latest_checkpoint(tmp_path).name == "step_1000001"
     assert not list((tmp_path / "checkpoints").glob(".old-*"))  # pruned whole
+    # the hang watchdog hears of a checkpoint's progress file by file (one silence per file, not per checkpoint)
+    heard: list[str] = []
+    save_checkpoint(tmp_path / "other", 1, step, {"loop": {"step": 1}, "scheduler": schedule}, progress=heard.append)
+    assert heard[0] == "its files written" and "optimizer.pt hashed" in heard and "model.safetensors hashed" in heard
     import ptbr.train.checkpoint as checkpoint
 
     said: list[str] = []

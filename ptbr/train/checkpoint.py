@@ -31,18 +31,24 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_last: int = 0,
-                    write: bool = True) -> Path:
+                    write: bool = True, progress=None) -> Path:
     """Write a complete checkpoint atomically (the training step's state files plus
     trainer_state.json with `record`); on failure the previous ones are untouched. In a
-    data-parallel run every rank calls it (the states may be gathered) and one rank writes."""
+    data-parallel run every rank calls it (the states may be gathered) and one rank writes.
+    `progress(what)` is told of each part done (the hang watchdog: a large checkpoint on a slow
+    disk is progress, file by file, not one silence)."""
+    progress = progress or (lambda what: None)
     if not write:
         training_step.save_state(None)
         return checkpoint_path(run_dir, step)
 
     def fill(directory: Path) -> None:
         training_step.save_state(directory)
-        files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
-                 for p in sorted(directory.iterdir()) if p.is_file()}
+        progress("its files written")
+        files = {}
+        for path in sorted(p for p in directory.iterdir() if p.is_file()):
+            files[path.name] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+            progress(f"{path.name} hashed")
         state = dict(record, format=FORMAT, step=step, files=files)
         (directory / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
 

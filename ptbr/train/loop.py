@@ -181,9 +181,10 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
                 last = state.step == settings.max_steps
                 if _due(state.step, settings.save_every) or last or stopping:
                     beat(f"saving the checkpoint of step {state.step}")
+                    saving = f"saving the checkpoint of step {state.step}"
                     path = save_checkpoint(run_dir, state.step, backend,
                                            record | _trainer_state(state, settings, schedule, lr), settings.keep_last,
-                                           write=world.is_main)
+                                           write=world.is_main, progress=lambda what, saving=saving: beat(f"{saving}: {what}"))
                     if world.is_main:
                         callbacks.on_checkpoint(state, path)
                     if stopping:

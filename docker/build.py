@@ -424,7 +424,8 @@ def build_wheel(dist: Path, echo: bool = True, locked_backend: bool = False) -> 
                            capture_output=True, text=True)
     have = found.stdout.strip() if found.returncode == 0 else None
     wanted = lock_entries(LOCKS["cpu"].path)["setuptools"].version
-    if have is None or (locked_backend and have != wanted):
+    major = int(re.match(r"\d+", have).group()) if have and re.match(r"\d+", have) else 0
+    if have is None or major < 77 or (locked_backend and have != wanted):
         raise BuildError(f"the ptbr wheel is built with setuptools {wanted if locked_backend else '>= 77'} "
                          f"(no build isolation), and {sys.executable} has {have or 'none'}: install the "
                          f"locks' setuptools=={wanted} there (nox -s build does)")

@@ -53,6 +53,17 @@ def out_of_space(exc: BaseException, where: Path | str | None = None) -> bool:
     return False
 
 
+def _in_chain(exc: BaseException, text: re.Pattern) -> bool:
+    """Whether `exc` or what caused it says `text`."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if text.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _file_size_limited() -> bool:
     """Whether this process has a file size limit (ulimit -f), which a failed write may have hit."""
     import resource
@@ -84,7 +95,7 @@ def write_error(exc: BaseException, what: str, where: Path | str, fix: str | Non
                errno.EROFS: "the file system is read-only: choose another output path"}.get(
             exc.errno, "check the permissions and free space of the output directory")
         return OutputError(f"cannot write {what}: {exc.strerror or exc}", str(where), fix)
-    if WRITE_FAILED_TEXT.search(str(exc)):  # torch.save's writer, space left and no size limit
+    if _in_chain(exc, WRITE_FAILED_TEXT):  # torch.save's writer, space left and no size limit
         free = _free_bytes(Path(where)) / 1024**3
         return OutputError(f"cannot write {what}: {first_line(exc)} (torch gives no reason; {free:.1f} GiB are free "
                            "there)", str(where), "check the output's disk: a quota, an I/O error, or a file system "

@@ -64,6 +64,15 @@ USABLE_FRACTION = {"cuda": 0.9, "mps": 0.9, "mlx": 0.9, "cpu": 0.8}
 # soft-capping, Cohere's scale, Granite's divisor, Falcon-H1's multiplier), for plans made from the
 # config alone; the run checks the model itself
 LOGIT_CHANGING_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+# config.json keys of a mixture-of-experts decoder (Mixtral, Qwen-MoE/OLMoE, DeepSeek): the memory
+# model counts dense decoders, and would take the experts' weights for one MLP's
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def experts_of(config: dict) -> tuple[str, int] | None:
+    """(key, count) where `config` is a mixture of experts, else None."""
+    return next(((key, config[key]) for key in MOE_KEYS if isinstance(config.get(key), int) and config[key] > 1),
+                None)
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,11 @@ class Architecture:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> Architecture:
-        """From a Llama/Mistral/Qwen-style config.json (read as JSON: no weights, no torch)."""
+        """From a Llama/Mistral/Qwen-style config.json (read as JSON: no weights, no torch).
+        ValueError for a mixture of experts, which this model does not count."""
+        found = experts_of(config)
+        if found:
+            raise ValueError(f"a mixture-of-experts decoder ({found[0]} {found[1]}): the memory model counts dense ones")
         h = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)

@@ -589,6 +589,10 @@ def test_a_mixture_of_experts_base_gets_no_plan_of_a_dense_one():
     assert check.status == FAIL and check.name == "model.architecture"
     assert "MixtralForCausalLM is a mixture-of-experts decoder (num_local_experts 8)" in check.message
     assert mixture_of_experts(MISTRAL_7B) is None and mixture_of_experts(MISTRAL_7B | {"num_experts": 1}) is None
+    # and the runs' own uses of the memory model (the run's predicted peak, --auto-fit's RAM guard)
+    # treat it as an architecture the model does not know, not as a dense 7B
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        Architecture.from_hf_config(mixtral)
 
 
 def test_a_shorter_sequence_says_what_it_costs_and_the_full_length_alternative():

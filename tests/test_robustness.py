@@ -457,9 +457,9 @@ def test_checkpoint_states_load_without_unpickling_code(tmp_path):
 
 
 def test_a_previous_run_is_moved_aside_across_file_systems(tmp_path, monkeypatch):
-    """OUTPUT/checkpoints linked to another disk: a rename across file systems fails (EXDEV), and
-    --resume never (or a corrupt newest checkpoint) stopped with "cannot move the previous run's
-    files aside". They are copied across, then removed."""
+    """OUTPUT/previous on another file system (a link or a mount there): a rename across file
+    systems fails (EXDEV), and --resume never (or a corrupt newest checkpoint) stopped with "cannot
+    move the previous run's files aside". They are copied across, then removed."""
     import errno as errors
 
     from ptbr.runs.common import move_previous_run
@@ -479,3 +479,32 @@ def test_a_previous_run_is_moved_aside_across_file_systems(tmp_path, monkeypatch
     moved = move_previous_run(run)
     assert (moved / "checkpoints" / "step_000002" / "model.safetensors").read_bytes() == b"weights"
     assert (moved / "metrics.jsonl").is_file() and not (run / "checkpoints").exists()
+
+
+def test_a_lock_taken_on_a_file_that_was_just_removed_is_no_lock(tmp_path, monkeypatch):
+    """A run giving up on a new directory removes it (lock file and all) while holding its lock; a
+    run that opened that lock file a moment before gets the lock of an unlinked file, and a third
+    run would lock a new one beside it. The lock is checked to be the file at its path."""
+    import fcntl
+
+    import ptbr.train.lock as lock
+    from ptbr.errors import OutputError
+
+    real_flock = fcntl.flock
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def removed_meanwhile(fd, operation):
+        real_flock(fd, operation)
+        if operation & fcntl.LOCK_EX:
+            (run_dir / lock.LOCK_FILE).unlink()
+
+    monkeypatch.setattr(lock.fcntl, "flock", removed_meanwhile)
+    with pytest.raises(OutputError, match="the output directory was removed as this run started"):
+        lock.RunLock(run_dir).acquire()
+    monkeypatch.setattr(lock.fcntl, "flock", real_flock)
+    shutil_gone = tmp_path / "gone"
+    with pytest.raises(OutputError, match="removed as this run started"):
+        lock.RunLock(shutil_gone).acquire()  # its directory no longer exists at all
+    held = lock.RunLock(run_dir).acquire()  # and with nothing in between, it locks
+    held.release()

@@ -54,8 +54,10 @@ def main(args) -> int:
     # the verdict `ptbr finetune` and preflight give: the same function decides
     reports = [r for train, valid in data_sets(args.files, args.valid)
                for r in inspect_pair(train, valid, tokenizer, max_seq_len, args.drop_long, positions)]
-    formats = {r.schema for r in reports if r.schema}
-    if len(formats) > 1 and args.valid is None and len(args.files) > 1:
+    # files named apart (a directory's pair is checked together already) in different formats
+    apart = [r for r in reports if any(Path(name) == r.path for name in args.files)]
+    formats = {r.schema for r in apart if r.schema}
+    if len(formats) > 1 and args.valid is None and len(apart) > 1:
         note = (f"note: these files hold different formats ({', '.join(sorted(formats))}); `ptbr finetune` needs a "
                 "validation file in its training file's format: check the two as a pair with "
                 "`ptbr validate-data TRAIN.jsonl --valid VALID.jsonl`")

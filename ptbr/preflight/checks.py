@@ -14,7 +14,7 @@ from typing import Any
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
-from ptbr.memory import GIB
+from ptbr.memory import GIB, experts_of
 from ptbr.preflight.hardware import Hardware
 from ptbr.preflight.recommend import requested_processes
 from ptbr.versions import package_versions
@@ -263,14 +263,10 @@ def check_preset(settings: PretrainConfig, vocab_size: int | None) -> list[Check
                   f"up to {preset.max_position_embeddings} positions")]
 
 
-# config.json keys of a mixture-of-experts decoder: Mixtral, Qwen-MoE/OLMoE, DeepSeek
-MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
 def mixture_of_experts(config: dict) -> Check | None:
     """A FAIL for a mixture-of-experts base: the memory model counts dense decoders, and would plan
     its experts' weights as one MLP's (a Mixtral-8x7B as a 7B)."""
-    found = next(((key, config[key]) for key in MOE_KEYS if isinstance(config.get(key), int) and config[key] > 1), None)
+    found = experts_of(config)
     if found is None:
         return None
     kind = (config.get("architectures") or [config.get("model_type", "?")])[0]

@@ -63,7 +63,7 @@ def create_run_dir(output: str) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".tmp-write-test-{os.getpid()}"  # its own name: two runs starting at once
         probe.write_text("ok")
-        probe.unlink()
+        probe.unlink(missing_ok=True)  # a run holding the lock may have cleared it as a leftover
     except OSError as exc:
         raise OutputError(f"cannot create or write the output directory: {exc.strerror or exc}", str(run_dir),
                           "choose a path you can write to with --output") from exc
@@ -193,7 +193,7 @@ def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | N
             except OSError as exc:
                 if exc.errno != errno.EXDEV:
                     raise
-                # checkpoints/ linked to another disk: copied there, then removed here
+                # OUTPUT/previous on another file system (a link or a mount there): copied, then removed
                 shutil.move(str(path), str(destination))
     except OSError as exc:
         raise OutputError(f"cannot move the previous run's files aside: {exc.strerror or exc}", str(run_dir),

@@ -203,9 +203,9 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
         resume = find_resume(run_dir, settings, loaded.identity, world)
     eval_batches, planned = None, None
     if valid is not None:
-        # the validation examples the run started with, for its whole life (--eval-batches K takes
-        # K global batches: a resume at another micro-batch or process count, or --auto-fit's
-        # smaller one, would otherwise evaluate another set than its best val_loss was measured on)
+        # the validation examples the run's first checkpoint recorded, for its whole life
+        # (--eval-batches K takes K global batches: a resume at another micro-batch or process
+        # count would otherwise evaluate another set than its best val_loss was measured on)
         recorded = ((resume.state or {}).get("run") or {}).get("eval_examples")
         default = (len(valid.examples) if settings.eval_batches is None
                    else min(len(valid.examples), settings.eval_batches * settings.batch_size * world.size))

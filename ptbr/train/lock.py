@@ -23,7 +23,12 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        gone = OutputError("the output directory was removed as this run started (another run, starting at the "
+                           "same moment, gave up on it)", str(self.path.parent), "run the same command again")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            raise gone from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -32,6 +37,14 @@ class RunLock:
             raise OutputError(f"another ptbr run (PID {owner.get('pid', '?')} on {owner.get('host', '?')}) is using "
                               "this output directory", str(self.path.parent),
                               "wait for it to finish, stop it, or choose another --output") from None
+        try:  # the lock is the file at this path still, not one a removal unlinked in between
+            same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise gone
         previous = _read_owner(fd)
         if previous.get("pid") and previous.get("pid") != str(os.getpid()):
             log(f"taking over a stale lock from PID {previous['pid']} (no longer running) in {self.path.parent}")

@@ -178,11 +178,11 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
     target = choose_target(hardware, mode, requested.device, requested.backend)
     precision = choose_precision(hardware, target, requested.precision, reasons, mode)
     processes = plan_processes(hardware, target, requested, reasons)
-    budget = memory_budget(hardware, target, reasons, processes)
     effective = requested.batch_size * requested.grad_accum * requested_processes(hardware, target, requested)
     if effective % processes:
         processes = max(d for d in range(1, processes + 1) if effective % d == 0)
         reasons.append(f"{processes} processes: the effective batch {effective} must split evenly among them")
+    budget = memory_budget(hardware, target, reasons, processes)  # of the GPUs those processes take
     share = effective // processes  # sequences per process per step
     wants_checkpointing = requested.gradient_checkpointing
     cap = getattr(requested, key)

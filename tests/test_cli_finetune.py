@@ -185,3 +185,46 @@ def test_an_adapter_trained_on_a_quantized_base_is_said_to_be_applied_to_the_bas
                  "--device", "cpu"]) == 0
     assert "note: the adapter was trained on the base quantized (4bit); it is applied to --model as given" \
         in capsys.readouterr().err
+
+
+def test_a_gpt2_style_base_is_fine_tuned_through_its_conv1d_projections(tmp_path):
+    """GPT-2 (and the PT-BR models fine-tuned from it) make their projections with transformers'
+    Conv1D, not nn.Linear: ptbr found nothing to adapt (exit 4). Its c_attn, c_proj and c_fc are
+    adapted, the adapter says fan_in_fan_out (the weights are transposed) and reloads in PEFT, and
+    the merged model gives the adapted logits."""
+    import torch
+    from peft import PeftModel
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        PreTrainedTokenizerFast,
+    )
+
+    from ptbr.data.tokenizer import EOS_TOKEN, PAD_TOKEN, train_tokenizer
+
+    rows = [finetune_tests.conversation(i) for i in range(12)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    texts = [m["content"] for r in rows for m in r["messages"]] + ["<|system|>\n<|user|>\n<|assistant|>\n"] * 4
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(texts, vocab_size=256, min_frequency=1),
+                                        eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    base = tmp_path / "gpt2"
+    tokenizer.save_pretrained(base)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                   eos_token_id=tokenizer.eos_token_id)).save_pretrained(base)
+    out = tmp_path / "run"
+    assert main(["finetune", "--base", str(base), "--data", str(data), "--output", str(out), "--quant", "none",
+                 "--max-steps", "3", "--learning-rate", "1e-2", "--eval-every", "0", "--batch-size", "4",
+                 "--merge"]) == 0
+    config = json.loads((out / "adapters" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["c_attn", "c_fc", "c_proj"] and config["fan_in_fan_out"] is True
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(out / "adapters")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    plain = AutoModelForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        a, m, p = adapted(input_ids=ids).logits, merged(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert torch.allclose(a, m, atol=5e-5) and not torch.allclose(a, p, atol=1e-3)  # merged as adapted; it learned

@@ -108,12 +108,15 @@ def _probe_bitsandbytes(quant: str, device, dtype) -> None:
 def linear_module_names(model) -> list[str]:
     """Names (last component) of every linear projection, the output layer (lm_head) excepted.
     bitsandbytes' Linear4bit and Linear8bitLt are torch.nn.Linear subclasses, so quantized bases
-    give the same names."""
+    give the same names. GPT-2-style bases (GPT-2, and the PT-BR models fine-tuned from it) make
+    their projections with transformers' Conv1D, a Linear with its weight transposed, which PEFT
+    adapts too (c_attn, c_proj, c_fc)."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     output = model.get_output_embeddings()
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, torch.nn.Linear) and module is not output and name != "lm_head"})
+                   if isinstance(module, torch.nn.Linear | Conv1D) and module is not output and name != "lm_head"})
 
 
 def resolve_target_modules(model, requested: str | None) -> list[str]:
@@ -168,8 +171,14 @@ def load_model(settings, placement) -> AdaptedModel:
         base.gradient_checkpointing_enable(**checkpointing)
 
     targets = resolve_target_modules(base, settings.target_modules)
+    from transformers.pytorch_utils import Conv1D
+
+    # GPT-2-style Conv1D projections store their weight transposed: PEFT's fan_in_fan_out, saved with
+    # the adapter (PEFT sets it itself otherwise, with a warning on every load)
+    transposed = any(isinstance(module, Conv1D) and name.rsplit(".", 1)[-1] in targets
+                     for name, module in base.named_modules())
     lora = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM", fan_in_fan_out=transposed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         model = get_peft_model(base, lora)

@@ -36,32 +36,24 @@ WRITE_FAILED_TEXT = re.compile(r"unexpected pos|PytorchStreamWriter failed", re.
 LOW_SPACE = 256 * 1024 * 1024  # below this much free space, a write that failed for no said reason is a full disk
 
 
-def out_of_space(exc: BaseException, where: Path | str | None = None) -> bool:
-    """True when `exc` (or what caused it) is a full disk, a file-size limit or a quota. A write
-    that failed without saying why (torch.save's) counts where `where`'s disk is nearly full, or
-    where is not given."""
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc` and what caused it, in turn."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in OUT_OF_SPACE_ERRNOS:
-            return True
-        if not isinstance(exc, OSError) and OUT_OF_SPACE_TEXT.search(str(exc)):
-            return True
-        if not isinstance(exc, OSError) and WRITE_FAILED_TEXT.search(str(exc)):
-            return where is None or _free_bytes(Path(where)) < LOW_SPACE or _file_size_limited()
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
 
 
-def _in_chain(exc: BaseException, text: re.Pattern) -> bool:
-    """Whether `exc` or what caused it says `text`."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if text.search(str(exc)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+def out_of_space(exc: BaseException) -> bool:
+    """True when `exc` (or what caused it) says it is a full disk, a file-size limit or a quota."""
+    return any(e.errno in OUT_OF_SPACE_ERRNOS if isinstance(e, OSError) else bool(OUT_OF_SPACE_TEXT.search(str(e)))
+               for e in _chain(exc))
+
+
+def _unexplained_write_failure(exc: BaseException) -> bool:
+    """A write that failed without saying why (torch.save's C++ writer), anywhere in the chain."""
+    return any(not isinstance(e, OSError) and WRITE_FAILED_TEXT.search(str(e)) for e in _chain(exc))
 
 
 def _file_size_limited() -> bool:
@@ -83,7 +75,9 @@ def _free_bytes(path: Path) -> int:
 
 def write_error(exc: BaseException, what: str, where: Path | str, fix: str | None = None) -> OutputError | None:
     """The OutputError for a failed write of `what`, or None when `exc` is not about writing."""
-    if out_of_space(exc, where):
+    unexplained = _unexplained_write_failure(exc)
+    # torch's reasonless failure is a full disk (or the size limit) where that is the likely cause
+    if out_of_space(exc) or (unexplained and (_free_bytes(Path(where)) < LOW_SPACE or _file_size_limited())):
         return OutputError(f"the disk filled up (or a file size limit or quota was hit) while writing {what}: "
                            f"{first_line(exc)}", str(where),
                            f"{fix or 'free space where the output goes'}; what was saved before is intact")
@@ -95,7 +89,7 @@ def write_error(exc: BaseException, what: str, where: Path | str, fix: str | Non
                errno.EROFS: "the file system is read-only: choose another output path"}.get(
             exc.errno, "check the permissions and free space of the output directory")
         return OutputError(f"cannot write {what}: {exc.strerror or exc}", str(where), fix)
-    if _in_chain(exc, WRITE_FAILED_TEXT):  # torch.save's writer, space left and no size limit
+    if unexplained:  # torch.save's writer, with space left and no size limit
         free = _free_bytes(Path(where)) / 1024**3
         return OutputError(f"cannot write {what}: {first_line(exc)} (torch gives no reason; {free:.1f} GiB are free "
                            "there)", str(where), "check the output's disk: a quota, an I/O error, or a file system "

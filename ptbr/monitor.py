@@ -224,11 +224,11 @@ def _read_log(path: Path) -> list[LogLine]:
 
 
 def _newest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    for path in reversed(complete_checkpoints(run_dir, quiet=True)):  # by step number, newest first
-        state = read_state(path)
-        if state is not None:
-            return Checkpoint(state["step"], path, _mtime(path / "trainer_state.json") or 0.0)
-    return None
+    complete = complete_checkpoints(run_dir, quiet=True)  # by step number, complete ones only
+    state = read_state(complete[-1]) if complete else None
+    if state is None:  # none, or it changed since it was looked at
+        return None
+    return Checkpoint(state["step"], complete[-1], _mtime(complete[-1] / "trainer_state.json") or 0.0)
 
 
 def _in_progress(run_dir: Path) -> tuple[str | None, float | None]:

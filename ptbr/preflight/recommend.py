@@ -197,9 +197,9 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
 
     sharding = {"fsdp": requested.fsdp if processes > 1 else False}
 
-    def estimate(batch: int, length: int, checkpointing: bool) -> MemoryEstimate:
+    def estimate(batch: int, length: int, checkpointing: bool, grad_accum: int | None = None) -> MemoryEstimate:
         return estimate_run(dataclasses.replace(requested, **sharding), arch, target, batch, length, precision,
-                            checkpointing, processes, grad_accum=share // batch)
+                            checkpointing, processes, grad_accum=grad_accum or share // batch)
 
     def largest(length: int, checkpointing: bool) -> int | None:
         return next((b for b in _divisors_descending(share) if estimate(b, length, checkpointing).total <= budget),
@@ -265,9 +265,8 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
                            f"batch counts sequences, now {length} tokens long), and the model trains on {length}-token "
                            f"contexts: {planned // length}x --max-steps sees the same tokens; learning_rate "
                            f"{requested.learning_rate:g} unchanged")
-            whole = next((b for b in _divisors_descending(share) if estimate_run(
-                dataclasses.replace(requested, **sharding), arch, target, b, planned, precision, True, processes,
-                grad_accum=1).total <= budget), None)
+            whole = next((b for b in _divisors_descending(share)
+                          if estimate(b, planned, True, grad_accum=1).total <= budget), None)
             if whole is not None:  # without accumulation no earlier micro-batch's gradients are kept
                 reasons.append(f"to keep {planned}-token contexts instead: --batch-size {whole} --grad-accum 1 "
                                f"--gradient-checkpointing fits (an effective batch of {whole * processes} sequences, "

@@ -140,6 +140,7 @@ def load_model(settings, placement) -> AdaptedModel:
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
 
     check_base(settings.base, settings.download)
     refuse_prequantized(settings.base)
@@ -171,8 +172,6 @@ def load_model(settings, placement) -> AdaptedModel:
         base.gradient_checkpointing_enable(**checkpointing)
 
     targets = resolve_target_modules(base, settings.target_modules)
-    from transformers.pytorch_utils import Conv1D
-
     # GPT-2-style Conv1D projections store their weight transposed: PEFT's fan_in_fan_out, saved with
     # the adapter (PEFT sets it itself otherwise, with a warning on every load)
     transposed = any(isinstance(module, Conv1D) and name.rsplit(".", 1)[-1] in targets

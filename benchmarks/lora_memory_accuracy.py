@@ -1,7 +1,7 @@
 """How good is the memory model for LoRA and QLoRA? Predicted vs measured peak of real fine-tuning steps.
 
     python benchmarks/lora_memory_accuracy.py --markdown           # CPU, a few minutes on 2 cores
-    python benchmarks/lora_memory_accuracy.py --device cuda --markdown
+    python benchmarks/lora_memory_accuracy.py --device cuda --jobs 4 --markdown
 
 The base is a Mistral-shaped model (grouped-query attention, SwiGLU) with random weights, saved to a
 temporary directory and loaded the way `ptbr finetune` loads it (ptbr.backends.torch.lora.load_model:
@@ -22,7 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from memory_accuracy import _profiled_peak, baseline_after_warm_up, cli, measure_in_fresh_process  # noqa: E402  (same directory)
+from memory_accuracy import (  # noqa: E402  (same directory)
+    _profiled_peak,
+    baseline_after_warm_up,
+    cli,
+    in_parallel,
+    measure_in_fresh_process,
+)
 
 # a scaled-down Mistral-7B: same head size, GQA ratio and MLP ratio; 0.24 B parameters
 BASE = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -113,23 +119,26 @@ def measure(point: dict) -> dict:
     return result
 
 
-def run_grid(device: str, timeout: int) -> list[dict]:
-    rows = []
+def run_grid(device: str, timeout: int, jobs: int = 1, gpu_share: float = 0.9) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         save_base(BASE, Path(tmp) / "base")
         save_base(WARM, Path(tmp) / "warm")
+        tasks = []
         for quant, precision, checkpointing, batch_size, seq_len, chunked in GRIDS[device]:
             point = {"quant": quant, "precision": precision, "gradient_checkpointing": checkpointing,
                      "batch_size": batch_size, "seq_len": seq_len, "chunked_loss": chunked, "device": device,
                      "base": str(Path(tmp) / "base"), "warm": str(Path(tmp) / "warm")}
-            row = {k: v for k, v in point.items() if k not in ("base", "warm")} | predict(point)
+            tasks.append((point, {k: v for k, v in point.items() if k not in ("base", "warm")} | predict(point)))
+
+        def run(point: dict, row: dict) -> dict:
             row = measure_in_fresh_process(__file__, point, row, timeout, also={"rss": ("rss_error_pct", 1)},
-                                         decimals=2)
+                                           decimals=2)
             print(json.dumps({k: row.get(k) for k in ("quant", "precision", "gradient_checkpointing", "batch_size",
                                                           "seq_len", "chunked_loss", "predicted", "measured", "error_pct", "failed")}),
                   file=sys.stderr, flush=True)
-            rows.append(row)
-    return rows
+            return row
+
+        return in_parallel(run, tasks, jobs, device, gpu_share)
 
 
 def markdown(rows: list[dict], device: str) -> str:
@@ -154,7 +163,7 @@ def markdown(rows: list[dict], device: str) -> str:
 
 
 def main() -> int:
-    return cli(__doc__.splitlines()[0], measure, lambda device, timeout, args: run_grid(device, timeout), markdown,
+    return cli(__doc__.splitlines()[0], measure, lambda device, timeout, args: run_grid(device, timeout, args.jobs, args.gpu_share), markdown,
                GOAL)
 
 

@@ -1,7 +1,7 @@
 """How good is the memory model? Predicted vs measured peak of real training steps, over a grid.
 
     python benchmarks/memory_accuracy.py                      # CPU grid, a few minutes on 2 cores
-    python benchmarks/memory_accuracy.py --device cuda        # GPU grid (needs a CUDA GPU)
+    python benchmarks/memory_accuracy.py --device cuda --jobs 4   # GPU grid (needs a CUDA GPU)
     python benchmarks/memory_accuracy.py --markdown --output results.json
 
 Each grid point runs in a fresh process: the real model (ptbr.backends.torch.models.build_model), the real
@@ -173,17 +173,60 @@ def _profiled_peak(backend, batch) -> int:
 MALLOC_RELEASE = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def run_grid(device: str, points: list[tuple], timeout: int, malloc_release: bool = False) -> list[dict]:
+def run_grid(device: str, points: list[tuple], timeout: int, malloc_release: bool = False, jobs: int = 1,
+             gpu_share: float = 0.9) -> list[dict]:
     env = os.environ | (MALLOC_RELEASE if malloc_release else {})
-    rows = []
+    tasks = []
     for size, vocab, batch_size, seq_len, precision, checkpointing in points:
         point = {"model_size": size, "vocab_size": vocab, "batch_size": batch_size, "seq_len": seq_len,
                  "precision": precision, "gradient_checkpointing": checkpointing, "device": device}
-        row = measure_in_fresh_process(__file__, point, dict(point) | predict(point), timeout, env,
-                                       {"allocated": ("allocated_error_pct", 2)})
+        tasks.append((point, dict(point) | predict(point)))
+
+    def run(point: dict, row: dict) -> dict:
+        row = measure_in_fresh_process(__file__, point, row, timeout, env, {"allocated": ("allocated_error_pct", 2)})
         print(_line(row), file=sys.stderr, flush=True)
-        rows.append(row)
-    return rows
+        return row
+
+    return in_parallel(run, tasks, jobs, device, gpu_share)
+
+
+# what a fresh CUDA process holds beyond its tensors (context, kernels, allocator slack): the
+# share of a GPU that each concurrently measured point is assumed to take beyond its prediction
+CUDA_PROCESS_BYTES = 2 << 30
+
+
+def in_parallel(run, tasks: list[tuple[dict, dict]], jobs: int, device: str, gpu_share: float = 0.9) -> list[dict]:
+    """run(point, row) for every task, up to `jobs` at a time, the rows in the tasks' order. Each
+    point is its own process and its peak is that process's own (max_memory_allocated, or its
+    resident memory), so points measured side by side do not disturb each other's numbers; on a
+    GPU, a point starts only when the predicted peaks of those running leave room for its own
+    within `gpu_share` of the memory free at the start."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    if jobs <= 1:
+        return [run(point, row) for point, row in tasks]
+    budget = None
+    if device == "cuda":
+        import torch
+
+        budget = gpu_share * torch.cuda.mem_get_info()[0]
+    room, in_use = threading.Condition(), [0.0]
+
+    def one(task: tuple[dict, dict]) -> dict:
+        need = 1.25 * task[1]["predicted"] + CUDA_PROCESS_BYTES if budget else 0.0
+        with room:  # a point larger than the whole budget runs alone
+            room.wait_for(lambda: in_use[0] == 0 or in_use[0] + need <= budget)
+            in_use[0] += need
+        try:
+            return run(*task)
+        finally:
+            with room:
+                in_use[0] -= need
+                room.notify_all()
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, tasks))
 
 
 def measure_in_fresh_process(script: str, point: dict, row: dict, timeout: int, env: dict | None = None,
@@ -242,6 +285,10 @@ def cli(description: str, measure, run_grid, markdown, goal: dict[str, float], o
     parser.add_argument("--output", help="write the rows as JSON here")
     parser.add_argument("--markdown", action="store_true", help="print the README table")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per grid point")
+    parser.add_argument("--jobs", type=int, default=1, help="grid points measured at once, each in its own process "
+                        "(their peaks are their own; on a GPU a point waits until the predicted peaks leave it room)")
+    parser.add_argument("--gpu-share", type=float, default=0.9,
+                        help="with --jobs on a GPU: the share of its free memory the points running at once may take")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one point, in a fresh process
     if options:
         options(parser)
@@ -272,7 +319,7 @@ def main() -> int:
                             f"{' '.join(f'{k}={v}' for k, v in MALLOC_RELEASE.items())}")
 
     return cli(__doc__.splitlines()[0], measure,
-               lambda device, timeout, args: run_grid(device, GRIDS[device], timeout, args.malloc_release),
+               lambda device, timeout, args: run_grid(device, GRIDS[device], timeout, args.malloc_release, args.jobs, args.gpu_share),
                markdown, GOAL, options)
 
 

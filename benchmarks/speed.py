@@ -2,7 +2,7 @@
 (a benchmark, not a test: nothing here asserts a ratio).
 
     python benchmarks/speed.py                      # CPU: every section, ~20 min on 2 busy cores
-    python benchmarks/speed.py --device cuda        # a GPU: also 400m, with MFU
+    python benchmarks/speed.py --device cuda        # a GPU: also 400m, with MFU, at a 32k vocabulary
     python benchmarks/speed.py --only pretrain --sizes tiny --rounds 5
     python benchmarks/speed.py --quick              # seconds per contender: checks that it works (CI)
 
@@ -58,6 +58,9 @@ PRETRAIN_SHAPES = {
     "cpu": [("tiny", 8, 256), ("85m", 2, 256)],
     "cuda": [("tiny", 8, 256), ("85m", 16, 1024), ("400m", 8, 1024)],
 }
+# the pretraining rows' vocabulary: 0 is the bundled sample's (2,048 tokens, a small dataset);
+# on a GPU, random tokens over 32,000 (a real PT-BR tokenizer's size, the output layer's real cost)
+PRETRAIN_VOCAB = {"cpu": 0, "cuda": 32000}
 # dense bf16/fp16 tensor-core peaks (FLOP/s), by a word of torch.cuda.get_device_name()
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12,
                   "A10": 125e12, "V100": 125e12, "T4": 65e12, "P100": 19e12}
@@ -151,8 +154,15 @@ def pretrain_section(args, work: Path) -> list[dict]:
     from ptbr.backends.torch.device import cpu_has_native_bf16
     from ptbr.data import SAMPLE_DIR
     from ptbr.data.tokens import open_dataset
+    from ptbr.memory import chunks_the_loss
 
-    vocab = open_dataset(SAMPLE_DIR, None).vocab_size
+    vocab = args.vocab if args.vocab is not None else PRETRAIN_VOCAB[args.device]
+    data = None
+    if vocab:  # random tokens over a real tokenizer's vocabulary, enough for every step of the largest shape
+        data = work / f"vocab{vocab}"
+        make_vocab_dataset(data, vocab, 50_000 if args.quick else 4_000_000)
+    else:
+        vocab = open_dataset(SAMPLE_DIR, None).vocab_size
     shapes = PRETRAIN_SHAPES[args.device]
     if args.sizes:
         shapes = [s for s in shapes if s[0] in args.sizes]
@@ -165,13 +175,18 @@ def pretrain_section(args, work: Path) -> list[dict]:
     rows = []
     for size, batch_size, seq_len in shapes:
         spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
-                "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / size)}
-        print(f"pretraining {size}: batch {batch_size} x seq_len {seq_len}, {precision}, {args.device}", flush=True)
+                "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / size),
+                **({"data": str(data)} if data else {})}
+        print(f"pretraining {size}: batch {batch_size} x seq_len {seq_len}, {precision}, {args.device}, "
+              f"vocabulary {vocab:,}", flush=True)
         contenders = {"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
                       "plain_loop": ("plain-pretrain", spec)}
         if not args.no_compile:  # torch.compile on both sides: ptbr's --compile, the Trainer's torch_compile
             contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"], cold_compile=True)),
                            "hf_trainer_compile": ("hf-pretrain", dict(spec, torch_compile=True, cold_compile=True))}
+        chunked = chunks_the_loss(batch_size * seq_len, vocab, args.device)
+        if chunked:  # the lever alone: ptbr's own whole logits
+            contenders["ptbr_whole"] = ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))
         if default_is_bf16:  # what each runs when left to its defaults, and both in bf16
             contenders |= {"ptbr_default": ("ptbr-pretrain", dict(spec, flags=["--precision", "auto"])),
                            "hf_trainer_bf16": ("hf-pretrain", dict(spec, precision="bf16"))}
@@ -179,8 +194,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
         tokens = batch_size * seq_len
         step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
         first = {name: [r["first_step_s"] for r in rs] for name, rs in runs.items()}
-        command = (f"ptbr train --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
-                   f"--device {args.device} --precision {precision}")
+        command = (f"ptbr train {'--data DATA ' if data else ''}--model-size {size} --batch-size {batch_size} "
+                   f"--seq-len {seq_len} --device {args.device} --precision {precision}")
         mfu = {}
         if args.device == "cuda":
             device_name, peak = gpu_peak_flops()
@@ -188,6 +203,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
                 per_token = flops_per_token(size, vocab, seq_len)
                 mfu = {name: per_token * tokens / statistics.median(s) / peak for name, s in step.items()}
         pairs = [("ptbr", "hf_trainer", "HF Trainer"), ("ptbr", "plain_loop", "plain PyTorch loop")]
+        if chunked:
+            pairs.append(("ptbr", "ptbr_whole", "ptbr --no-chunked-loss"))
         if not args.no_compile:
             pairs += [("ptbr_compile", "hf_trainer", "HF Trainer"),
                       ("ptbr_compile", "hf_trainer_compile", "HF Trainer, torch_compile=True")]
@@ -203,7 +220,7 @@ def pretrain_section(args, work: Path) -> list[dict]:
                 saved = statistics.median(step["ptbr"]) - statistics.median(step[ours])
                 extra |= {"compile_s": compile_s, "break_even_steps": compile_s / saved if saved > 0 else None}
             default = ours == "ptbr_default"
-            name = (f"pretrain {size} (batch {batch_size} x {seq_len}, "
+            name = (f"pretrain {size} (batch {batch_size} x {seq_len}, " + (f"{vocab // 1000}k vocabulary, " if data else "")
                     + ("ptbr's default: bf16 autocast on this CPU)" if default else f"{precision})")
                     + (", --compile" if compiled else ""))
             rows.append(row("pretrain", name,
@@ -556,6 +573,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="default: bf16 on a GPU, fp32 on CPU")
     parser.add_argument("--only", nargs="+", choices=tuple(SECTIONS), help="run these sections only")
     parser.add_argument("--sizes", nargs="+", help="pretraining presets to run (default: tiny and 85m; on a GPU also 400m)")
+    parser.add_argument("--vocab", type=int, help="pretraining rows: random tokens over a vocabulary this large "
+                        "(default: 32000 on a GPU; on CPU 0, the bundled sample and its 2,048-token vocabulary)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs of every contender")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of every run")

@@ -146,9 +146,9 @@ class LoopSettings:
                          "copying the model to each (DDP): for models whose training state does not fit one GPU.")
     gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass to save memory.")
     chunked_loss: bool = setting(
-        True, "Where a micro-batch's fp32 logits over the vocabulary would exceed 32 MiB, compute the cross-entropy "
-        "and its gradient 32 MiB of logits at a time, so that the whole logits never exist: the same loss with less "
-        "memory (torch backend).")
+        True, "Where a micro-batch's fp32 logits over the vocabulary would exceed a chunk (32 MiB; 256 MiB on a CUDA "
+        "GPU), compute the cross-entropy and its gradient a chunk of logits at a time, so that the whole logits never "
+        "exist: the same loss with less memory (torch backend).")
     auto_fit: bool = setting(
         False, "Before training, run a real step on the longest batch and halve batch_size (doubling grad_accum) "
         "until it fits; an out-of-memory later resumes from the last checkpoint the same way.")

@@ -37,6 +37,10 @@ from ptbr.config import ModelPreset, lora_dropout_impl
 GIB = 1024**3
 MIB = 1024**2
 CHUNK_BYTES = 32 * MIB  # the chunked loss's fp32 logits per chunk (ptbr/backends/torch/loss.py uses this)
+# on a CUDA GPU: 32 MiB chunks (262 tokens at a 32k vocabulary) left the GPU idle between many small
+# kernels and added the output layer's fp32 gradient up once per chunk (85m, 16 x 1024 tokens on an
+# H200: 18% slower steps than the whole logits); 256 MiB makes 8 chunks of that batch
+CUDA_CHUNK_BYTES = 256 * MIB
 
 # Bytes per parameter of a quantized Linear weight, constants included.
 #   nf4: bitsandbytes 4-bit (ptbr's --quant 4bit), block 64, double quantization: a uint8 absmax
@@ -259,8 +263,9 @@ def _head_bytes_per_token(arch: Architecture, precision: str) -> int:
 
 def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, precision: str = "fp32",
                              gradient_checkpointing: bool = False, overhead: int = 0, shards: int = 1,
-                             chunked_loss: bool = False, grad_accum: int = 1) -> MemoryEstimate:
+                             chunked_loss: bool = False, grad_accum: int = 1, device: str = "cpu") -> MemoryEstimate:
     """Predicted peak bytes of full training (pretraining): fp32 weights, AdamW, autocast activations.
+    `device` (a torch device type) sets the chunked loss's chunk size.
 
     shards > 1: FSDP over that many processes (the per-process peak). The weights, gradients and
     AdamW state are divided among them; the root unit (embeddings, output layer, final norm) stays
@@ -269,7 +274,8 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     if shards > 1:
         # FSDP2 accumulates unsharded gradients (no reduce-scatter until the last micro-batch)
         return _sharded(arch, estimate_training_memory(arch, batch_size, seq_len, precision, gradient_checkpointing,
-                                                       overhead, chunked_loss=chunked_loss, grad_accum=grad_accum),
+                                                       overhead, chunked_loss=chunked_loss, grad_accum=grad_accum,
+                                                       device=device),
                         shards)
     params = arch.parameters
     tokens = batch_size * seq_len
@@ -297,7 +303,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
     kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
     forward_output = (2 if mixed else 4) * tokens * arch.vocab_size  # the logits
-    if chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size):
+    if chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size, device):
         # the output layer does not run in the forward pass (so autocast makes no copy of it, and
         # nothing saves its input); the loss then holds the final hidden states, their gradient
         # and the output layer's gradient, and works on one chunk of logits at a time
@@ -305,7 +311,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         all_copies -= lm_head_copy
         held_copies -= lm_head_copy
         forward_output = 4 * arch.hidden_size * tokens  # the final hidden states
-        logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4)
+        logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4, device)
         # the output layer's gradient exists before the embedding's: that one is added in place
         embedding_grad = 4 * arch.lm_head_parameters if arch.tie_word_embeddings else 0
     return MemoryEstimate(
@@ -317,26 +323,27 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     )
 
 
-def chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk of the chunked loss (ptbr/backends/torch/loss.py): 32 MiB of fp32 logits."""
-    return max(1, CHUNK_BYTES // (4 * vocab_size))
+def chunk_tokens(vocab_size: int, device: str = "cpu") -> int:
+    """Tokens per chunk of the chunked loss (ptbr/backends/torch/loss.py) on `device` (a torch
+    device type): 32 MiB of fp32 logits (the CPU's caches), 256 MiB on a CUDA GPU."""
+    return max(1, (CUDA_CHUNK_BYTES if device == "cuda" else CHUNK_BYTES) // (4 * vocab_size))
 
 
-def chunks_the_loss(tokens: int, vocab_size: int) -> bool:
+def chunks_the_loss(tokens: int, vocab_size: int, device: str = "cpu") -> bool:
     """Whether --chunked-loss chunks a micro-batch: only where its whole fp32 logits would be more
     than one chunk. Below that there is no memory to save, and F.cross_entropy's fused kernels
     are faster (measured on CPU at a 2,048-token vocabulary)."""
-    return tokens > chunk_tokens(vocab_size)
+    return tokens > chunk_tokens(vocab_size, device)
 
 
-def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int) -> int:
+def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: str) -> int:
     """The chunked loss of full training at its peak (ptbr/backends/torch/loss.py): the final
     hidden states (fp32, after the final RMSNorm), their fp32 gradient and the output layer's fp32
     gradient, all made in the forward pass; in 16 bits the output layer's 16-bit copy; and one
     chunk's work: its logits (in 16 bits also its 16-bit hidden states, the logits before their fp32
     upcast and the gradient of the logits cast back, or the weight's gradient before it is added)."""
     h, vocab = arch.hidden_size, arch.vocab_size
-    chunk = min(chunk_tokens(vocab), tokens)
+    chunk = min(chunk_tokens(vocab, device), tokens)
     held = 4 * h * tokens + 4 * h * tokens + 4 * vocab * h
     if compute == 4:
         return held + 4 * chunk * vocab + 4 * chunk * h  # logits, and one matmul's output before its copy
@@ -370,8 +377,8 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
     casts embeddings, lm_head and norms to fp32, so the residual stream is fp32 too. Not
     quantized: the base in the compute dtype. Adapters train in fp32 with AdamW. Derived from the
     tensors autograd saves on CPU, and checked against the allocated peak of real CPU steps
-    (tests/test_memory.py); `device` only sets the size of dropout's masks. No GPU measurement
-    yet (see the README table). With gradient checkpointing the backward pass recomputes one layer
+    (tests/test_memory.py); `device` sets the size of dropout's masks and the chunked loss's
+    chunk. Measured on an H200 too (the README's table: within 5%). With gradient checkpointing the backward pass recomputes one layer
     at a time while every layer's checkpointed input is still alive (backward_end counts both).
     chunked_loss: the loss of ptbr/backends/torch/loss.py (see below); its estimate is an upper bound.
     """
@@ -436,7 +443,7 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         backward_end=resident + working + (kept + activations if gradient_checkpointing else 0),
         quant=quant,
     )
-    if not (chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size)):
+    if not (chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size, device)):
         return estimate
     # The chunked loss: the output layer does not run in the forward pass (autocast saves no copy
     # of it); the loss holds the final hidden states, their gradient and one chunk's work. With
@@ -453,21 +460,21 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         layer = 3 * mlp_grad * arch.intermediate_size * tokens + dequantized
         if quant is None and compute < 4:
             layer += 2 * 4 * arch.intermediate_size * tokens
-    loss = _lora_chunked_loss_bytes(arch, tokens, compute, residual)
+    loss = _lora_chunked_loss_bytes(arch, tokens, compute, residual, device)
     return dataclasses.replace(
         estimate, logits=loss, weight_copies=adapter_copies,
         forward_end=resident + kept + activations + copies + loss,
         backward_start=resident + kept + activations + copies + layer)
 
 
-def _lora_chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, hidden: int) -> int:
+def _lora_chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, hidden: int, device: str) -> int:
     """The chunked loss of a frozen output layer at its peak: the final hidden states (`hidden`
     bytes per value: fp32 behind a quantized base, else the compute dtype) and their fp32
     gradient; one chunk's work (fp32: its logits and one matmul output; 16 bits: the logits
     before and after their fp32 upcast and the gradient of the logits cast back), and where the
     output layer is fp32 under autocast (QLoRA) its 16-bit copy and the chunk's cast hidden states."""
     h, vocab = arch.hidden_size, arch.vocab_size
-    chunk = min(chunk_tokens(vocab), tokens)
+    chunk = min(chunk_tokens(vocab, device), tokens)
     held = hidden * h * tokens + 4 * h * tokens
     if compute == 4:
         return held + 4 * chunk * vocab + 4 * chunk * h
@@ -515,7 +522,7 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
     if not hasattr(settings, "lora_r"):
         shards = processes if settings.fsdp else 1
         return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards,
-                                        chunked_loss=settings.chunked_loss, grad_accum=grad_accum)
+                                        chunked_loss=settings.chunked_loss, grad_accum=grad_accum, device=target)
     return estimate_lora_memory(arch, batch_size, seq_len, settings.lora_r, quant_name(settings.quant, target),
                                 precision, checkpointing, lora_dropout=settings.lora_dropout > 0, overhead=overhead,
                                 targets=lora_targets(settings.target_modules), device=target,

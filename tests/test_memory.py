@@ -233,7 +233,7 @@ def test_a_model_that_changes_its_logits_is_planned_with_the_whole_logits():
     """Gemma-2's soft-capped, Cohere's scaled logits: the run keeps the whole logits there
     (tests/test_loss.py), so the plan must count them; Granite's logits_scaling of 1 changes nothing."""
     plain = Architecture.from_hf_config(MISTRAL_7B)
-    args = (1, 1024, 16, "nf4", "bf16")
+    args = (4, 1024, 16, "nf4", "bf16")  # 4,096 tokens: more than one chunk on a GPU (2,097 at this vocabulary)
     chunked = estimate_lora_memory(plain, *args, chunked_loss=True)
     for key, value in (("final_logit_softcapping", 30.0), ("logit_scale", 0.0625)):
         arch = Architecture.from_hf_config(dict(MISTRAL_7B, **{key: value}))

@@ -78,6 +78,10 @@ def load_for_generation(model_dir: str, adapter: str | None, device, download: b
 
         with ExitStack() as stack:  # PEFT copies the weights in: a converted adapter's directory may go
             model = apply_adapter(model, Path(adapter_as(adapter, "peft", stack)))
+    if device.type == "cuda":  # decoding in fp32, or fp16 on a T4: not through SDPA's math kernel
+        from ptbr.backends.torch.attention import keep_sdpa_off_the_math_kernel
+
+        keep_sdpa_off_the_math_kernel()
     return tokenizer, model.to(device).eval()
 
 

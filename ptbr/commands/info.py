@@ -21,7 +21,7 @@ def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, 
     arch = Architecture.from_preset(preset, vocab_size)
     chunked = setting_default(PretrainConfig, "chunked_loss")  # as `ptbr train` runs by default
     estimates = {p: estimate_training_memory(arch, batch_size, seq_len, p, gradient_checkpointing,
-                                             chunked_loss=chunked, grad_accum=grad_accum).as_dict()
+                                             chunked_loss=chunked, grad_accum=grad_accum, device="cuda").as_dict()
                  for p in PRECISIONS}
     # --backend mlx (Apple Silicon): bf16 on Metal, fp32 master weights
     estimates["mlx-bf16"] = estimate_mlx_memory(arch, batch_size, seq_len, "bf16",
@@ -103,5 +103,5 @@ def _print_text(report: dict) -> None:
             g = {k: v / 1024**3 for k, v in e.items() if k != "precision"}
             print(f"           {precision:<9}  {g['weights']:7.2f}  {g['gradients']:5.2f}  {g['optimizer']:9.2f}  "
                   f"{g['activations']:11.2f}  {g['logits']:6.2f}  {g['total']:5.2f}")
-        print("           loss: its tensors over the vocabulary; torch: the chunked loss where the logits exceed 32 MiB "
-              "(ptbr train's default)")
+        print("           loss: its tensors over the vocabulary; torch: the chunked loss where the logits exceed 256 MiB "
+              "(ptbr train's default on a GPU; 32 MiB chunks on CPU)")

@@ -137,8 +137,10 @@ class TorchBackend:
         from ptbr.memory import chunk_tokens, chunks_the_loss
 
         vocab = step.head.out_features
-        line = f"chunked loss: {chunk_tokens(vocab)} tokens per chunk at vocabulary {vocab:,}; micro-batches of {tokens} "
-        return line + ("tokens are chunked" if chunks_the_loss(tokens, vocab)
+        device = step.placement.device.type
+        line = (f"chunked loss: {chunk_tokens(vocab, device)} tokens per chunk at vocabulary {vocab:,}; "
+                f"micro-batches of {tokens} ")
+        return line + ("tokens are chunked" if chunks_the_loss(tokens, vocab, device)
                        else "tokens are not (their logits fit one chunk)")
 
     def write_adapter(self, adapted, directory: Path) -> None:

@@ -35,6 +35,10 @@ class TorchStep:
         self.precision = placement.precision
         self.max_grad_norm = max_grad_norm
         self.world = world or SingleProcess()
+        if placement.device.type == "cuda":  # fp32, or fp16 before Ampere: no silent math-kernel attention
+            from ptbr.backends.torch.attention import keep_sdpa_off_the_math_kernel
+
+            keep_sdpa_off_the_math_kernel()
         fp16 = placement.precision == "fp16"
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -88,7 +92,8 @@ class TorchStep:
                 for k, t in tensors.items()}
 
     def _chunks(self, batch: dict) -> bool:
-        return self.head is not None and chunks_the_loss(batch["labels"].numel(), self.head.out_features)
+        return self.head is not None and chunks_the_loss(batch["labels"].numel(), self.head.out_features,
+                                                         self.placement.device.type)
 
     def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch (eager)."""

@@ -69,7 +69,7 @@ def predict(point: dict) -> dict:
 
     arch = Architecture.from_preset(get_preset(point["model_size"]), point["vocab_size"])
     estimate = estimate_training_memory(arch, point["batch_size"], point["seq_len"], point["precision"],
-                                        point["gradient_checkpointing"])
+                                        point["gradient_checkpointing"], device=point["device"])
     return {"predicted": estimate.total, "phase": estimate.peak_phase}
 
 

@@ -257,9 +257,10 @@ def make_vocab_dataset(directory: Path, vocab_size: int, tokens: int) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     rng = np.random.default_rng(0)
     splits = {"train": tokens, "val": tokens // 20}
+    dtype = "uint16" if vocab_size <= 2**16 else "uint32"  # as ptbr prepare stores ids
     for split, count in splits.items():
-        rng.integers(2, vocab_size, size=count, dtype=np.uint16).tofile(directory / f"{split}.bin")
-    meta = {"format": "ptbr-tokens", "version": 1, "dtype": "uint16", "byte_order": "little",
+        rng.integers(2, vocab_size, size=count).astype(np.dtype(dtype).newbyteorder("<")).tofile(directory / f"{split}.bin")
+    meta = {"format": "ptbr-tokens", "version": 1, "dtype": dtype, "byte_order": "little",
             "vocab_size": vocab_size, "eos_id": 0, "pad_id": 1, "train_tokens": splits["train"],
             "val_tokens": splits["val"], "train_documents": 1, "val_documents": 1,
             "tokenizer_sha256": hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest(),

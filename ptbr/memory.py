@@ -39,7 +39,7 @@ MIB = 1024**2
 CHUNK_BYTES = 32 * MIB  # the chunked loss's fp32 logits per chunk (ptbr/backends/torch/loss.py uses this)
 # on a CUDA GPU: 32 MiB chunks (262 tokens at a 32k vocabulary) left the GPU idle between many small
 # kernels and added the output layer's fp32 gradient up once per chunk (85m, 16 x 1024 tokens on an
-# H200: 18% slower steps than the whole logits); 256 MiB makes 8 chunks of that batch
+# H200: steps about 20% slower than with the whole logits); 256 MiB makes 8 chunks of that batch (8% slower)
 CUDA_CHUNK_BYTES = 256 * MIB
 
 # Bytes per parameter of a quantized Linear weight, constants included.
@@ -186,7 +186,16 @@ class MemoryEstimate:
         return data | {"total": self.total} | ({"quant": quant} if quant else {})
 
 
-def _layer_inventory(arch: Architecture, precision: str) -> int:
+def kv_heads_repeated(arch: Architecture, precision: str, device: str) -> bool:
+    """Whether attention gets its key/value heads repeated, each layer then saving K and V at the
+    query heads' width: grouped-query attention on a CUDA GPU where flash attention cannot run
+    (ptbr/backends/torch/attention.py), i.e. fp32, and fp16, which ptbr picks on GPUs without bf16
+    (before Ampere: no flash attention either; an fp16 asked for on a newer GPU is counted the same,
+    a little over). Elsewhere SDPA takes the key/value heads as they are (flash, CPU)."""
+    return device == "cuda" and precision in ("fp32", "fp16") and arch.kv_dim < arch.attention_dim
+
+
+def _layer_inventory(arch: Architecture, precision: str, repeated_kv: bool = False) -> int:
     """Bytes one decoder layer of full training saves for the backward pass, per token.
 
     Counted tensor by tensor from transformers' LlamaDecoderLayer with SDPA attention, and
@@ -197,8 +206,10 @@ def _layer_inventory(arch: Architecture, precision: str) -> int:
       fp16/bf16 autocast: the residual stream and the RMSNorms stay fp32 (the embedding output is
         fp32 and `residual + out` promotes); autocast casts the norm output once per consuming
         Linear (3 copies before q/k/v, 2 before gate/up), all else 16-bit.
+    repeated_kv: K and V saved at the query heads' width (kv_heads_repeated).
     """
-    h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
+    h, a, i, heads = arch.hidden_size, arch.attention_dim, arch.intermediate_size, arch.num_heads
+    kv = a if repeated_kv else arch.kv_dim
     small = 4 * heads + 2 * 4  # fp32 log-sum-exp per head (flash / memory-efficient SDPA), two rsqrt
     if precision == "fp32":
         return 4 * (h + 2 * h + a + 2 * kv + a + h + 2 * h + 4 * i) + small
@@ -208,7 +219,7 @@ def _layer_inventory(arch: Architecture, precision: str) -> int:
 
 
 def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, rank: int, dropout_mask: int,
-                          targets: tuple[str, ...], int8_device: str | None = None) -> int:
+                          targets: tuple[str, ...], int8_device: str | None = None, repeated_kv: bool = False) -> int:
     """Bytes one decoder layer of a frozen base with LoRA adapters saves, per token.
 
     Counted from the tensors autograd saves (tests/test_memory.py checks it byte for byte): a
@@ -230,8 +241,10 @@ def _lora_layer_inventory(arch: Architecture, compute: int, quantized: bool, ran
     a plain F.linear, which autocast runs in 16 bits (the MLP's tensors in the compute dtype); on
     CUDA its int8 kernel returns the fp32 input's dtype, as a 4-bit Linear does (not measured).
     Measured on CPU against the allocated peak (tests/test_memory.py).
+    repeated_kv: K and V saved at the query heads' width (kv_heads_repeated).
     """
-    h, a, kv, i, heads = arch.hidden_size, arch.attention_dim, arch.kv_dim, arch.intermediate_size, arch.num_heads
+    h, a, i, heads = arch.hidden_size, arch.attention_dim, arch.intermediate_size, arch.num_heads
+    kv = a if repeated_kv else arch.kv_dim
     inputs = {"q": h, "k": h, "v": h, "o": a, "gate": h, "up": h, "down": i}
     every = sum(inputs[t] for t in targets)  # one value per adapter and input feature
     if compute < 4 or dropout_mask:
@@ -280,7 +293,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     params = arch.parameters
     tokens = batch_size * seq_len
     mixed = precision in ("fp16", "bf16")
-    per_layer = _layer_inventory(arch, precision) * tokens
+    per_layer = _layer_inventory(arch, precision, kv_heads_repeated(arch, precision, device)) * tokens
     head = _head_bytes_per_token(arch, precision) * tokens
     # autocast caches a 16-bit copy of each weight until the forward pass ends; without
     # checkpointing the backward pass still holds them, with it only the lm_head's is saved
@@ -378,7 +391,8 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
     quantized: the base in the compute dtype. Adapters train in fp32 with AdamW. Derived from the
     tensors autograd saves on CPU, and checked against the allocated peak of real CPU steps
     (tests/test_memory.py); `device` sets the size of dropout's masks and the chunked loss's
-    chunk. Measured on an H200 too (the README's table: within 5%). With gradient checkpointing the backward pass recomputes one layer
+    chunk. Measured on an H200 too (the README's table: within 0.5% with the whole logits, up to
+    6.4% over with the chunked loss). With gradient checkpointing the backward pass recomputes one layer
     at a time while every layer's checkpointed input is still alive (backward_end counts both).
     chunked_loss: the loss of ptbr/backends/torch/loss.py (see below); its estimate is an upper bound.
     """
@@ -401,7 +415,8 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
     bool_mask = device == "cuda" or lora_dropout_impl(dropout_impl, device) == "packed"
     mask = (1 if bool_mask else 4) if lora_dropout else 0
     per_layer = _lora_layer_inventory(arch, compute, quant is not None, lora_rank, mask, targets,
-                                      device if quant == "int8" else None) * tokens
+                                      device if quant == "int8" else None,
+                                      kv_heads_repeated(arch, precision, device)) * tokens
     head = (8 + 4 * arch.hidden_size + 4) * tokens  # ids, the final RMSNorm's fp32 input, rsqrt
     head += 2 * seq_len * arch.attention_dim // arch.num_heads * residual  # RoPE's cos and sin, shared by the layers
     if not gradient_checkpointing:

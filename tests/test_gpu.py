@@ -161,6 +161,38 @@ def test_fp32_grouped_query_attention_keeps_no_attention_matrices():
     step.train_step([batch], 1e-4)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - before
-    predicted = estimate_training_memory(Architecture.from_preset(get_preset("85m"), 32000), 8, 1024, "fp32").total
+    predicted = estimate_training_memory(Architecture.from_preset(get_preset("85m"), 32000), 8, 1024, "fp32",
+                                         device="cuda").total  # K and V saved repeated
     print(f"fp32 85m 8 x 1024: predicted {predicted / 2**20:,.0f} MiB, measured {measured / 2**20:,.0f} MiB")
     assert abs(measured - predicted) / predicted < 0.10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_loss_on_the_gpu_is_the_whole_logits_loss(dtype):
+    """CUDA's 256 MiB chunks (2,097 tokens at a 32k vocabulary): 5,000 tokens make two full chunks
+    and a short one; loss and gradients as F.cross_entropy over the whole logits."""
+    import torch.nn.functional as F
+
+    from ptbr.backends.torch.loss import chunked_cross_entropy
+    from ptbr.data.batch import IGNORE_INDEX
+    from ptbr.memory import chunk_tokens
+
+    assert chunk_tokens(32000, "cuda") == 2097
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(5000, 64, device="cuda", generator=generator, requires_grad=True)
+    weight = torch.randn(32000, 64, device="cuda", generator=generator, requires_grad=True)
+    labels = torch.randint(0, 32000, (5000,), device="cuda", generator=generator)
+    labels[::7] = IGNORE_INDEX
+
+    def run(loss_fn):
+        hidden.grad = weight.grad = None
+        loss = loss_fn()
+        (0.37 * loss).backward()
+        return loss.detach(), hidden.grad.clone(), weight.grad.clone()
+
+    ours = run(lambda: chunked_cross_entropy(hidden, weight, labels, dtype))
+    whole = run(lambda: F.cross_entropy((hidden.to(dtype) @ weight.to(dtype).T).float(), labels,
+                                        ignore_index=IGNORE_INDEX, reduction="sum"))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(ours, whole, strict=True):
+        assert torch.allclose(a, b, rtol=tolerance, atol=tolerance * b.abs().max().item()), (a - b).abs().max()

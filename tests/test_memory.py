@@ -404,3 +404,23 @@ def test_lora_chunked_loss_peak_is_bounded_by_its_estimate(tmp_path, monkeypatch
     whole = estimate_lora_memory(arch, batch, seq, 8, quantized, precision, checkpointing, **kwargs)
     assert chunked.total < whole.total or checkpointing  # (there the recomputed layer can be the peak of both)
     assert whole.logits == 3 * 4 * batch * seq * vocab > 4 * chunked.logits
+
+
+def test_grouped_query_attention_without_flash_saves_repeated_keys_and_values():
+    """On a CUDA GPU in fp32 (and fp16, ptbr's choice before Ampere) the key/value heads are
+    repeated before SDPA (ptbr/backends/torch/attention.py): each layer saves K and V at the query
+    heads' width. bf16 (flash attention) and CPUs keep them at the key/value heads' width."""
+    from ptbr.config import get_preset
+    from ptbr.memory import kv_heads_repeated
+
+    gqa = Architecture.from_preset(get_preset("85m"), 32000)  # 10 heads over 5
+    plain = Architecture.from_preset(get_preset("400m"), 32000)  # 16 over 16
+    assert kv_heads_repeated(gqa, "fp32", "cuda") and kv_heads_repeated(gqa, "fp16", "cuda")
+    assert not kv_heads_repeated(gqa, "bf16", "cuda") and not kv_heads_repeated(gqa, "fp32", "cpu")
+    assert not kv_heads_repeated(plain, "fp32", "cuda")
+    extra = 2 * (gqa.attention_dim - gqa.kv_dim) * 4 * gqa.num_layers * 8 * 1024  # K and V, fp32, 8 x 1024 tokens
+    on_gpu = estimate_training_memory(gqa, 8, 1024, "fp32", device="cuda")
+    assert on_gpu.activations - estimate_training_memory(gqa, 8, 1024, "fp32", device="cpu").activations == extra
+    mistral = Architecture.from_hf_config(MISTRAL_7B)
+    t4, ampere = (estimate_lora_memory(mistral, 4, 1024, 16, "nf4", p, device="cuda") for p in ("fp16", "bf16"))
+    assert t4.activations - ampere.activations == 2 * (4096 - 1024) * 2 * 32 * 4 * 1024

@@ -114,15 +114,17 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     # --device cuda without a GPU, or mps off Apple Silicon (hardware.accelerator fails): no such
     # memory to plan into, and a plan into the RAM would read as one for that device
     absent = (target == "cuda" and not hardware.gpus) or (target == "mps" and not hardware.apple_silicon)
-    if arch is not None and not absent:
-        recommendation = recommend(hardware, settings, arch, max_positions=max_positions, examples=examples,
-                                   longest=longest)
-        checks += _memory_checks(recommendation, settings)
+    needed, one = None, None  # the model could not be read: the checkpoints' size is unknown
+    if arch is not None:
+        planned = settings  # without the device, the checkpoints are still the requested run's
+        if not absent:
+            recommendation = recommend(hardware, settings, arch, max_positions=max_positions, examples=examples,
+                                       longest=longest)
+            checks += _memory_checks(recommendation, settings)
+            planned = recommendation.settings
         trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(settings.lora_r)
-        needed, one = checkpoint_plan(recommendation.settings, arch.parameters, trainable, examples)
+        needed, one = checkpoint_plan(planned, arch.parameters, trainable, examples)
         sizes = {"parameters": arch.parameters, "trainable": trainable}
-    else:
-        needed, one = 0, 0
     checks += check_output(settings.output, needed, one, hardware.in_kaggle)
     checks += check_kaggle(hardware, settings.output)
 

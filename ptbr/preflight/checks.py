@@ -368,8 +368,9 @@ def checkpoint_bytes(mode: str, parameters: int, trainable: int) -> int:
     return 4 * trainable + 8 * trainable
 
 
-def check_output(output: str, needed: int, one_checkpoint: int, in_kaggle: bool) -> list[Check]:
-    """Write permission, then free space against what the run's checkpoints will take."""
+def check_output(output: str, needed: int | None, one_checkpoint: int | None, in_kaggle: bool) -> list[Check]:
+    """Write permission, then free space against what the run's checkpoints will take (None: not
+    known, the model's size could not be read)."""
     directory = Path(output)
     checks = []
     try:
@@ -384,6 +385,10 @@ def check_output(output: str, needed: int, one_checkpoint: int, in_kaggle: bool)
         return checks
     free = shutil.disk_usage(directory).free
     value = {"free": free, "needed": needed, "one_checkpoint": one_checkpoint}
+    if needed is None or one_checkpoint is None:
+        checks.append(Check("disk.space", PASS, value, f"{gib(free)} free (the checkpoints' size is unknown: the "
+                            "model could not be read)"))
+        return checks
     if free < one_checkpoint:
         checks.append(Check("disk.space", FAIL, value, f"{gib(free)} free in {directory}, one checkpoint takes "
                             f"{gib(one_checkpoint)}", "free disk space or choose another --output"))

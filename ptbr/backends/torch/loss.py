@@ -12,7 +12,7 @@ exist at a time; what the backward pass gets is the two gradients, scaled by its
 The matrix multiplies are the same three as the plain way's (forward, and the two of its backward),
 in the same precision (autocast's 16-bit type, or fp32), so nothing is recomputed. On a CPU the
 step is as fast or faster, because the logits stay in cache (README, "Performance"). On a GPU
-chunks of that size (262 tokens at a 32k vocabulary) made an H200's steps 18% slower than the whole
+chunks of that size (262 tokens at a 32k vocabulary) made an H200's steps about 20% slower than the whole
 logits (many small kernels, and the fp32 (vocab x hidden) weight gradient added up once per chunk),
 so CUDA takes 256 MiB chunks (ptbr.memory.chunk_tokens): 8% slower than the whole logits there.
 

@@ -293,6 +293,8 @@ def cli(description: str, measure, run_grid, markdown, goal: dict[str, float], o
     if options:
         options(parser)
     args = parser.parse_args()
+    if args.jobs < 1 or not 0 < args.gpu_share <= 1:
+        parser.error(f"--jobs must be 1 or more and --gpu-share in (0, 1] (got {args.jobs} and {args.gpu_share})")
     if args.measure:
         print(json.dumps(measure(json.loads(args.measure))))
         return 0

@@ -188,10 +188,12 @@ class MemoryEstimate:
 
 def kv_heads_repeated(arch: Architecture, precision: str, device: str) -> bool:
     """Whether attention gets its key/value heads repeated, each layer then saving K and V at the
-    query heads' width: grouped-query attention on a CUDA GPU where flash attention cannot run
-    (ptbr/backends/torch/attention.py), i.e. fp32, and fp16, which ptbr picks on GPUs without bf16
-    (before Ampere: no flash attention either; an fp16 asked for on a newer GPU is counted the same,
-    a little over). Elsewhere SDPA takes the key/value heads as they are (flash, CPU)."""
+    query heads' width (grouped-query attention only), on a CUDA GPU where flash attention cannot
+    run (ptbr/backends/torch/attention.py): fp32, and fp16, which ptbr picks on GPUs without bf16
+    (before Ampere: no flash attention either; an fp16 asked for on a newer GPU, where flash runs,
+    is counted the same: 2-3% over). Not counted: micro-batches that carry an attention mask, on
+    any device (fine-tuning's padded micro-batches of an 8-bit base, which keeps the mask;
+    sliding-window models past their window), for which transformers repeats them too."""
     return device == "cuda" and precision in ("fp32", "fp16") and arch.kv_dim < arch.attention_dim
 
 

@@ -53,6 +53,15 @@ def test_chunk_size_is_32_mib_of_fp32_logits_256_on_a_gpu():
     assert chunked.chunk_tokens(32000, "cuda") == 2097 and chunked.chunk_tokens(32000, "mps") == 262
 
 
+def test_the_loss_takes_its_device_s_chunk(monkeypatch):
+    """The chunk follows the hidden states' device (CUDA's is checked on a GPU, tests/test_gpu.py)."""
+    chunks, apply = [], chunked._ChunkedLinearCrossEntropy.apply
+    monkeypatch.setattr(chunked._ChunkedLinearCrossEntropy, "apply", lambda *a: chunks.append(a[4]) or apply(*a))
+    hidden = torch.randn(300, 8, requires_grad=True)
+    chunked.chunked_cross_entropy(hidden, torch.randn(32000, 8), torch.zeros(300, dtype=torch.long)).backward()
+    assert chunks == [262]
+
+
 def test_fp32_loss_and_gradients_are_the_whole_logits_ones(seven_tokens_a_chunk):
     hidden, weight, labels = inputs()
     expected = gradients(whole, hidden, weight, labels, torch.float32)

@@ -124,7 +124,7 @@ def test_pretrain_recommendation(machine, size):
 
 
 QLORA_EXPECTED = {  # machine -> (batch_size, grad_accum, max_seq_len, gradient_checkpointing, precision)
-    # 8 x 1024 would need 13.5 of 13.1 GiB usable: the last layer's recomputation in the backward
+    # 8 x 1024 would need 13.6 of 13.1 GiB usable: the last layer's recomputation in the backward
     # pass, while every layer's checkpointed (fp32) input is alive
     "t4": (4, 4, 1024, True, "fp16"),  # predicted 9.5 GiB
     "2xt4": (4, 2, 1024, True, "fp16"),  # x 2 processes
@@ -626,3 +626,21 @@ def test_several_gpus_are_planned_by_the_one_with_least_free_memory():
     assert any(r.startswith("GPU 1 Tesla T4: 7.0 GiB of 14.7 GiB free (the least free of the 2 GPUs the run uses)")
                for r in rec.reasons), rec.reasons
     assert rec.estimate.total <= rec.budget
+
+
+def test_a_base_that_cannot_be_read_leaves_the_checkpoints_size_unknown(tmp_path):
+    """No weights and an unknown architecture: the disk check says so instead of "0.0 MiB"."""
+    from ptbr.cli import main
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"architectures": ["WeirdForCausalLM"], "model_type": "weird"}))
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "olá mundo"}) + "\n", encoding="utf-8")
+    out = tmp_path / "plan"
+    assert main(["preflight", "--mode", "finetune", "--base", str(base), "--data", str(data), "--device", "cpu",
+                 "--output", str(out)]) == 10
+    report = json.loads((out / "preflight_report.json").read_text())
+    (disk,) = [c for c in report["checks"] if c["name"] == "disk.space"]
+    assert disk["status"] == PASS and disk["value"]["needed"] is None
+    assert "the checkpoints' size is unknown" in disk["message"]

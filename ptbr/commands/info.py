@@ -39,6 +39,7 @@ def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, 
                   "tokens_per_step": batch_size * grad_accum * seq_len,
                   "gradient_checkpointing": gradient_checkpointing},
         "memory_bytes": estimates,
+        "device": "cuda",  # the torch rows' (chunk size, repeated key/value heads); mlx-bf16 is Apple's
         "memory_gib": {p: round(e["total"] / GIB, 2) for p, e in estimates.items()},
     }
 
@@ -103,5 +104,5 @@ def _print_text(report: dict) -> None:
             g = {k: v / 1024**3 for k, v in e.items() if k != "precision"}
             print(f"           {precision:<9}  {g['weights']:7.2f}  {g['gradients']:5.2f}  {g['optimizer']:9.2f}  "
                   f"{g['activations']:11.2f}  {g['logits']:6.2f}  {g['total']:5.2f}")
-        print("           loss: its tensors over the vocabulary; torch: the chunked loss where the logits exceed 256 MiB "
-              "(ptbr train's default on a GPU; 32 MiB chunks on CPU)")
+        print("           torch rows as on a CUDA GPU (fp16: one without bf16, e.g. a T4); loss: its tensors over the "
+              "vocabulary, chunked where the logits exceed 256 MiB (ptbr train's default; 32 MiB chunks on CPU)")

@@ -7,8 +7,8 @@ only flash attention (fp16/bf16 on compute capability 8.0 and newer) takes that 
 any GPU, or in fp16 on a T4 (7.5, Kaggle's GPU), SDPA falls back to its math kernel without a word,
 and every layer keeps its (batch x heads x seq x seq) attention matrix for the backward pass.
 Measured on an H200 (README, "Performance"): the 85m preset (10 heads over 5 key/value heads) at
-32 x 1024 tokens peaked at 53 GiB in fp32 against 35 GiB predicted, while bf16 (flash) matched the
-prediction to 0.0%. transformers issue #48633 reports the same for T4s.
+32 x 1024 tokens peaked at 53 GiB in fp32 against the 35 GiB then predicted, while bf16 (flash)
+matched the prediction to 0.0%. transformers issue #48633 reports the same for T4s.
 
 There ptbr makes transformers take its other path, the one it uses for masked batches: the
 key/value heads repeated (a copy of K and V per layer), which torch's memory-efficient kernel

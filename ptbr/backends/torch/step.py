@@ -302,8 +302,10 @@ class TorchStep:
 
 
 def _inputs(batch: dict) -> dict:
-    """The model's inputs of a batch on the device: everything but the labels."""
-    return {k: v for k, v in batch.items() if k != "labels"}
+    """The model's inputs of a batch on the device: everything but the labels, and no KV cache
+    (transformers builds one per forward pass unless told not to; training never reads it, and
+    where attention repeats the key/value heads it would hold a second copy of them)."""
+    return {k: v for k, v in batch.items() if k != "labels"} | {"use_cache": False}
 
 
 def whole_weights(model, options) -> dict:

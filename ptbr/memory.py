@@ -280,7 +280,8 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
                              gradient_checkpointing: bool = False, overhead: int = 0, shards: int = 1,
                              chunked_loss: bool = False, grad_accum: int = 1, device: str = "cpu") -> MemoryEstimate:
     """Predicted peak bytes of full training (pretraining): fp32 weights, AdamW, autocast activations.
-    `device` (a torch device type) sets the chunked loss's chunk size.
+    `device` (a torch device type) sets the chunked loss's chunk size and whether attention saves
+    repeated key/value heads (kv_heads_repeated).
 
     shards > 1: FSDP over that many processes (the per-process peak). The weights, gradients and
     AdamW state are divided among them; the root unit (embeddings, output layer, final norm) stays
@@ -392,8 +393,8 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
     casts embeddings, lm_head and norms to fp32, so the residual stream is fp32 too. Not
     quantized: the base in the compute dtype. Adapters train in fp32 with AdamW. Derived from the
     tensors autograd saves on CPU, and checked against the allocated peak of real CPU steps
-    (tests/test_memory.py); `device` sets the size of dropout's masks and the chunked loss's
-    chunk. Measured on an H200 too (the README's table: within 0.5% with the whole logits, up to
+    (tests/test_memory.py); `device` sets the size of dropout's masks, the chunked loss's chunk
+    and whether attention saves repeated key/value heads (kv_heads_repeated). Measured on an H200 too (the README's table: within 0.5% with the whole logits, up to
     6.4% over with the chunked loss). With gradient checkpointing the backward pass recomputes one layer
     at a time while every layer's checkpointed input is still alive (backward_end counts both).
     chunked_loss: the loss of ptbr/backends/torch/loss.py (see below); its estimate is an upper bound.

@@ -9,6 +9,8 @@ from ptbr.config import DEFAULT_VOCAB_SIZE
 from ptbr.errors import ConfigError, DataError
 
 PRECISIONS = ("fp32", "bf16", "fp16")  # torch; the MLX backend's estimate is shown as mlx-bf16
+# the torch rows are planned for a CUDA GPU: its loss chunk, and repeated key/value heads in fp32/fp16
+DEVICE = "cuda"
 
 
 def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, grad_accum: int,
@@ -21,7 +23,7 @@ def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, 
     arch = Architecture.from_preset(preset, vocab_size)
     chunked = setting_default(PretrainConfig, "chunked_loss")  # as `ptbr train` runs by default
     estimates = {p: estimate_training_memory(arch, batch_size, seq_len, p, gradient_checkpointing,
-                                             chunked_loss=chunked, grad_accum=grad_accum, device="cuda").as_dict()
+                                             chunked_loss=chunked, grad_accum=grad_accum, device=DEVICE).as_dict()
                  for p in PRECISIONS}
     # --backend mlx (Apple Silicon): bf16 on Metal, fp32 master weights
     estimates["mlx-bf16"] = estimate_mlx_memory(arch, batch_size, seq_len, "bf16",
@@ -39,7 +41,7 @@ def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, 
                   "tokens_per_step": batch_size * grad_accum * seq_len,
                   "gradient_checkpointing": gradient_checkpointing},
         "memory_bytes": estimates,
-        "device": "cuda",  # the torch rows' (chunk size, repeated key/value heads); mlx-bf16 is Apple's
+        "device": DEVICE,  # the torch rows'; mlx-bf16 is Apple's
         "memory_gib": {p: round(e["total"] / GIB, 2) for p, e in estimates.items()},
     }
 

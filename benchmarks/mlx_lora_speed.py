@@ -8,7 +8,10 @@ The base is a Mistral-shaped model (grouped-query attention, SwiGLU) with random
 bundled PT-BR tokenizer, saved as a Hugging Face folder; the data are plain-text examples cut from
 the bundled PT-BR sample. Both trainers run LoRA of the same rank and scale on every projection of
 every layer, no dropout, the same batch size and learning rate, for the same number of steps;
-the first steps (compilation) are not timed. Tokens are the tokens a loss is taken on (the ones
+the first steps (compilation) are not timed. mlx-lm batches examples of similar length together
+(sorted by length): ptbr runs with --group-by-length, its own way of doing so. Both are timed from
+the end of the last untimed step to the end of the last, the making of each batch included: ptbr
+by its steps' times (metrics.jsonl's elapsed_s), mlx-lm by the wall clock at its step reports. Tokens are the tokens a loss is taken on (the ones
 both count the same way: every token of an example but its first).
 
 Each run is a fresh process (nothing compiled, cached or allocated by one trainer helps the other),
@@ -25,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
@@ -75,7 +79,8 @@ def ptbr_speed(base: Path, data: Path, output: Path, args) -> dict:
     settings = FinetuneConfig(backend="mlx", base=str(base), data=str(data), output=str(output), quant="none",
                               lora_r=args.rank, lora_alpha=args.rank * args.scale, lora_dropout=0.0,
                               batch_size=args.batch_size, max_steps=args.steps, learning_rate=1e-4, eval_every=0,
-                              save_every=args.steps, max_seq_len=args.max_seq_len, precision="auto")
+                              save_every=args.steps, max_seq_len=args.max_seq_len, precision="auto",
+                              group_by_length=True)  # mlx-lm sorts its examples by length into batches
     result = run_finetune(settings)
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     seconds = rows[-1]["elapsed_s"] - rows[WARMUP - 1]["elapsed_s"]  # steps WARMUP+1 .. steps
@@ -85,7 +90,7 @@ def ptbr_speed(base: Path, data: Path, output: Path, args) -> dict:
 
 
 def mlx_lm_speed(base: Path, data: Path, output: Path, args) -> dict:
-    """mlx-lm's trainer (what `mlx_lm.lora --train` runs), timed by its own reports."""
+    """mlx-lm's trainer (what `mlx_lm.lora --train` runs), timed by the wall clock at its step reports."""
     import mlx.core as mx
     import mlx.optimizers as optim
     from mlx_lm.tuner.callbacks import TrainingCallback
@@ -104,8 +109,8 @@ def mlx_lm_speed(base: Path, data: Path, output: Path, args) -> dict:
         def __init__(self):
             self.reports = []
 
-        def on_train_loss_report(self, info):
-            self.reports.append(info)
+        def on_train_loss_report(self, info):  # every step (steps_per_report=1), as it ends
+            self.reports.append(info | {"wall_s": time.perf_counter()})
 
     reports = Reports()
     training = TrainingArgs(batch_size=args.batch_size, iters=args.steps, val_batches=1, steps_per_report=1,
@@ -113,9 +118,11 @@ def mlx_lm_speed(base: Path, data: Path, output: Path, args) -> dict:
                             adapter_file=str(output / "adapters.safetensors"))
     train(model, optim.Adam(learning_rate=1e-4), CacheDataset(train_set), None, args=training,
           training_callback=reports)
-    timed = reports.reports[WARMUP:]
-    tokens = sum(r["tokens_per_second"] / r["iterations_per_second"] for r in timed)
-    seconds = sum(1 / r["iterations_per_second"] for r in timed)
+    # wall-clock from the end of step WARMUP to the end of the last, as ptbr's side is timed: its own
+    # it/s leaves out the time between steps (making and padding the next batch)
+    start, end = reports.reports[WARMUP - 1], reports.reports[-1]
+    tokens = end["trained_tokens"] - start["trained_tokens"]
+    seconds = end["wall_s"] - start["wall_s"]
     return {"tokens": round(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds,
             "peak_memory_gb": mx.get_peak_memory() / 1e9}
 

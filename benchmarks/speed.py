@@ -13,7 +13,9 @@ Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead
             time from the command to its first completed step.
   vocab32k  the same at a 32k vocabulary (random tokens; tiny, batch 8 x 256), where ptbr's chunked
             loss applies: tokens/s and peak memory against the Trainer, the plain loop and ptbr's
-            own --no-chunked-loss; and ptbr --compile against --compile --no-chunked-loss.
+            own --no-chunked-loss; and ptbr --compile against --compile --no-chunked-loss; on CPU
+            also 85m (batch 8 x 256) in ptbr's default precision there (bf16 where the CPU has it)
+            against the Trainer in that precision and ptbr's --no-chunked-loss.
   finetune  LoRA and QLoRA tokens/s and peak memory of `ptbr finetune` against transformers +
             PEFT's Trainer on the same random Mistral-shaped base and plain-text data.
   finetune32k  QLoRA the same with Mistral-7B's 32k-entry output layer, where ptbr's chunked loss
@@ -152,9 +154,10 @@ def gpu_peak_flops() -> tuple[str, float | None]:
 
 def pretrain_section(args, work: Path) -> list[dict]:
     from ptbr.backends.torch.device import cpu_has_native_bf16
+    from ptbr.config import PRESETS
     from ptbr.data import SAMPLE_DIR
     from ptbr.data.tokens import open_dataset
-    from ptbr.memory import chunks_the_loss
+    from ptbr.memory import chunks_the_loss, gradient_summed_hidden
 
     vocab = args.vocab if args.vocab is not None else PRETRAIN_VOCAB[args.device]
     data = None
@@ -184,7 +187,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
         if not args.no_compile:  # torch.compile on both sides: ptbr's --compile, the Trainer's torch_compile
             contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"], cold_compile=True)),
                            "hf_trainer_compile": ("hf-pretrain", dict(spec, torch_compile=True, cold_compile=True))}
-        chunked = chunks_the_loss(batch_size * seq_len, vocab, args.device)
+        chunked = chunks_the_loss(batch_size * seq_len, vocab, args.device,
+                                  gradient_summed_hidden(PRESETS[size].hidden_size, precision))
         if chunked:  # the lever alone: ptbr's own whole logits
             contenders["ptbr_whole"] = ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))
         if default_is_bf16:  # what each runs when left to its defaults, and both in bf16
@@ -296,7 +300,31 @@ def large_vocab_section(args, work: Path) -> list[dict]:
     if "ptbr_compile" in runs:
         rows += speed_and_memory_rows("pretrain", f"{name}, --compile", f"{command} --compile", args.device, runs,
                                       tokens, "ptbr_compile", (("ptbr_compile_whole", "ptbr --compile --no-chunked-loss"),))
+    if not args.quick and args.device == "cpu":
+        rows += large_vocab_85m_rows(args, work, data)
     return rows
+
+
+def large_vocab_85m_rows(args, work: Path, data: Path) -> list[dict]:
+    """85m at a 32k vocabulary, batch 8 x 256, in ptbr's default precision on this CPU (bf16
+    autocast where it multiplies bf16 natively, where chunks hold at least twice the hidden size,
+    else fp32), against the Trainer in the same precision and ptbr's own --no-chunked-loss."""
+    from ptbr.backends.torch.device import cpu_has_native_bf16
+
+    precision = args.precision or ("bf16" if cpu_has_native_bf16() else "fp32")
+    size, batch_size, seq_len = "85m", 8, 256
+    spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
+            "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / "vocab32k-85m"),
+            "data": str(data)}
+    print(f"pretraining {size} at a 32k vocabulary: batch {batch_size} x seq_len {seq_len}, {precision}", flush=True)
+    runs = interleaved({"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
+                        "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds)
+    command = (f"ptbr train --data DATA --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
+               f"--device {args.device} --precision {precision}")
+    return speed_and_memory_rows("pretrain", f"pretrain {size}, 32k vocabulary (batch {batch_size} x {seq_len}, "
+                                 f"{precision})", command, args.device, runs, batch_size * seq_len, "ptbr",
+                                 (("hf_trainer", "HF Trainer" + (", bf16=True" if precision == "bf16" else "")),
+                                  ("ptbr_whole", "ptbr --no-chunked-loss")))
 
 
 def speed_and_memory_rows(section: str, name: str, command: str, device: str, runs: dict, tokens: float, ours: str,

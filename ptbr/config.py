@@ -294,6 +294,9 @@ class FinetuneConfig(LoopSettings):
         None, "Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear projection but lm_head).")
     max_seq_len: int = setting(1024, "Longest example in tokens; longer ones are truncated (with a warning) or dropped.")
     drop_long: bool = setting(False, "Drop examples longer than max_seq_len instead of truncating them.")
+    group_by_length: bool = setting(False, "Batch examples of similar length together (fewer pad tokens; like "
+                                    "transformers' group_by_length): within each window of 50 steps' examples, "
+                                    "steps of similar lengths, in a random order.")
     epochs: int = setting(1, "Passes over the training examples (ignored when max_steps is given).")
     merge: bool = setting(False, "At the end, also write OUTPUT/merged: the base with the best adapter merged in.")
     optional_paths: ClassVar[tuple[str, ...]] = ("valid",)

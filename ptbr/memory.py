@@ -41,6 +41,17 @@ CHUNK_BYTES = 32 * MIB  # the chunked loss's fp32 logits per chunk (ptbr/backend
 # kernels and added the output layer's fp32 gradient up once per chunk (85m, 16 x 1024 tokens on an
 # H200: steps about 20% slower than with the whole logits); 256 MiB makes 8 chunks of that batch (8% slower)
 CUDA_CHUNK_BYTES = 256 * MIB
+# Where the output layer is trained in 16 bits, each chunk adds its 16-bit (vocab x hidden) product to
+# the layer's fp32 gradient: a chunk of few tokens then spends longer writing and adding that product
+# than multiplying (bf16 on an Intel Xeon with AMX, 4,096 tokens at a 32k vocabulary: 262-token chunks
+# made the loss 1.2-1.45x slower than the whole logits, chunks of 2 x hidden tokens 1.15x faster), so
+# a chunk there holds at least this many times the hidden size in tokens. In fp32 the chunk size made
+# no difference (torch adds an fp32 product in place), and a frozen output layer has no gradient.
+CHUNK_TOKENS_PER_HIDDEN = 2
+# Devices whose log-softmax kernel reads a row whole before writing it, so that the chunked loss
+# computes it in place (its output aliasing its input): CPU and CUDA, read in torch's kernels. Elsewhere
+# (Apple's MPS) it writes a second chunk-sized buffer.
+IN_PLACE_DEVICES = ("cpu", "cuda")
 
 # Bytes per parameter of a quantized Linear weight, constants included.
 #   nf4: bitsandbytes 4-bit (ptbr's --quant 4bit), block 64, double quantization: a uint8 absmax
@@ -319,7 +330,8 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
     kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
     forward_output = (2 if mixed else 4) * tokens * arch.vocab_size  # the logits
-    if chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size, device):
+    if chunked_loss and not arch.changes_logits and chunks_the_loss(
+            tokens, arch.vocab_size, device, gradient_summed_hidden(arch.hidden_size, precision)):
         # the output layer does not run in the forward pass (so autocast makes no copy of it, and
         # nothing saves its input); the loss then holds the final hidden states, their gradient
         # and the output layer's gradient, and works on one chunk of logits at a time
@@ -339,31 +351,47 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     )
 
 
-def chunk_tokens(vocab_size: int, device: str = "cpu") -> int:
+def chunk_tokens(vocab_size: int, device: str = "cpu", summed_hidden: int = 0) -> int:
     """Tokens per chunk of the chunked loss (ptbr/backends/torch/loss.py) on `device` (a torch
-    device type): 32 MiB of fp32 logits (the CPU's caches), 256 MiB on a CUDA GPU."""
-    return max(1, (CUDA_CHUNK_BYTES if device == "cuda" else CHUNK_BYTES) // (4 * vocab_size))
+    device type): 32 MiB of fp32 logits (the CPU's caches), 256 MiB on a CUDA GPU; and at least
+    CHUNK_TOKENS_PER_HIDDEN x `summed_hidden`, the hidden size where the output layer's gradient
+    is summed from 16-bit products (a trained output layer under fp16/bf16; else 0, see
+    gradient_summed_hidden)."""
+    by_bytes = max(1, (CUDA_CHUNK_BYTES if device == "cuda" else CHUNK_BYTES) // (4 * vocab_size))
+    return max(by_bytes, CHUNK_TOKENS_PER_HIDDEN * summed_hidden)
 
 
-def chunks_the_loss(tokens: int, vocab_size: int, device: str = "cpu") -> bool:
+def gradient_summed_hidden(hidden_size: int, precision: str, trained: bool = True) -> int:
+    """chunk_tokens' `summed_hidden` for an output layer of `hidden_size` trained (`trained`) in
+    `precision`: its hidden size where the layer's gradient is summed from 16-bit products, else 0."""
+    return hidden_size if trained and precision in ("fp16", "bf16") else 0
+
+
+def chunks_the_loss(tokens: int, vocab_size: int, device: str = "cpu", summed_hidden: int = 0) -> bool:
     """Whether --chunked-loss chunks a micro-batch: only where its whole fp32 logits would be more
     than one chunk. Below that there is no memory to save, and F.cross_entropy's fused kernels
     are faster (measured on CPU at a 2,048-token vocabulary)."""
-    return tokens > chunk_tokens(vocab_size, device)
+    return tokens > chunk_tokens(vocab_size, device, summed_hidden)
 
 
 def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: str) -> int:
     """The chunked loss of full training at its peak (ptbr/backends/torch/loss.py): the final
     hidden states (fp32, after the final RMSNorm), their fp32 gradient and the output layer's fp32
     gradient, all made in the forward pass; in 16 bits the output layer's 16-bit copy; and one
-    chunk's work: its logits (in 16 bits also its 16-bit hidden states, the logits before their fp32
-    upcast and the gradient of the logits cast back, or the weight's gradient before it is added)."""
+    chunk's work: its logits (worked on in place, IN_PLACE_DEVICES; elsewhere with a second buffer
+    for the log-softmax) and one (chunk x hidden) product or masked copy of the hidden states; in 16
+    bits also its 16-bit hidden states and the largest of: the logits before and after their fp32
+    upcast (or the fp32 gradient of the logits and its 16-bit cast); the 16-bit gradient of the
+    logits, its transposed copy (CPU) and the weight's 16-bit gradient; that gradient's fp32 upcast
+    as it is added (CPU). Under the 2 x hidden minimum chunk the first is the largest."""
     h, vocab = arch.hidden_size, arch.vocab_size
-    chunk = min(chunk_tokens(vocab, device), tokens)
+    chunk = min(chunk_tokens(vocab, device, h if compute == 2 else 0), tokens)
     held = 4 * h * tokens + 4 * h * tokens + 4 * vocab * h
+    second = 0 if device in IN_PLACE_DEVICES else 4 * chunk * vocab
     if compute == 4:
-        return held + 4 * chunk * vocab + 4 * chunk * h  # logits, and one matmul's output before its copy
-    work = max(6 * chunk * vocab, 2 * chunk * vocab + 2 * chunk * h, 2 * chunk * vocab + 2 * vocab * h)
+        return held + 4 * chunk * vocab + second + 4 * chunk * h
+    work = max(6 * chunk * vocab, 4 * chunk * vocab + second, 4 * chunk * vocab + 2 * vocab * h + 2 * chunk * h,
+               2 * chunk * vocab + 6 * vocab * h + 2 * chunk * h)
     return held + 2 * vocab * h + 2 * chunk * h + work
 
 
@@ -494,10 +522,11 @@ def _lora_chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, hidd
     h, vocab = arch.hidden_size, arch.vocab_size
     chunk = min(chunk_tokens(vocab, device), tokens)
     held = hidden * h * tokens + 4 * h * tokens
+    second = 0 if device in IN_PLACE_DEVICES else 4 * chunk * vocab  # the log-softmax's own buffer
     if compute == 4:
-        return held + 4 * chunk * vocab + 4 * chunk * h
+        return held + 4 * chunk * vocab + second + 4 * chunk * h
     casts = 2 * vocab * h + 2 * chunk * h if hidden == 4 else 0
-    return held + casts + 6 * chunk * vocab
+    return held + casts + max(6 * chunk * vocab, 4 * chunk * vocab + second)
 
 
 # --------------------------------------------------------------------------------------------

@@ -203,6 +203,48 @@ def test_batches_cover_each_epoch_once_and_keep_the_remainder():
     assert not np.array_equal(source.order(0), source.order(1))
 
 
+def test_group_by_length_pads_less_covers_each_epoch_once_and_keeps_splits_alike(monkeypatch):
+    """--group-by-length: windows of GROUP_WINDOW steps' examples (3 here) sorted by length and cut
+    into steps in a random order; every example once per epoch, the short last step last, fewer
+    pad tokens than random batches, the same steps for another split of the effective batch, and
+    another order each epoch."""
+    from ptbr.finetune import batches
+
+    monkeypatch.setattr(batches, "GROUP_WINDOW", 3)
+    lengths = [int(n) for n in np.random.default_rng(0).integers(5, 200, size=50)]
+    examples = examples_of(lengths)
+
+    def padded(source, epoch):  # pad tokens over the epoch's micro-batches
+        steps = [source.cycle(epoch * source.steps_per_epoch + k) for k in range(source.steps_per_epoch)]
+        return sum(int((1 - b["attention_mask"]).sum()) for step in steps for b in step)
+
+    grouped = ChatBatches(examples, batch_size=2, grad_accum=2, seed=7, pad_id=0, group_by_length=True)
+    plain = ChatBatches(examples, batch_size=2, grad_accum=2, seed=7, pad_id=0)
+    assert grouped.steps_per_epoch == plain.steps_per_epoch == 13  # 50 examples, 4 a step
+    for epoch in range(2):
+        order = grouped.order(epoch)
+        assert sorted(order.tolist()) == list(range(50))
+        assert padded(grouped, epoch) < padded(plain, epoch) / 2  # 639 against 1,789 in epoch 0
+        shuffled = plain.order(epoch)  # each window holds the same examples as the shuffled order's
+        for start in range(0, 50, 12):
+            assert sorted(order[start:start + 12].tolist()) == sorted(shuffled[start:start + 12].tolist())
+            steps = [order[i:i + 4] for i in range(start, min(start + 12, 48), 4)]
+            for a in steps:  # a step's examples are consecutive in the window's length order
+                window = sorted(shuffled[start:start + 12].tolist(), key=lambda i: -lengths[i])
+                ranks = sorted(window.index(int(i)) for i in a)
+                assert ranks == list(range(ranks[0], ranks[0] + 4))
+        assert len(set(order[48:].tolist())) == 2  # the short last step, last
+    assert not np.array_equal(grouped.order(0), grouped.order(1))
+    split = ChatBatches(examples, batch_size=4, grad_accum=1, seed=7, pad_id=0, group_by_length=True)
+    assert np.array_equal(split.order(0), grouped.order(0))  # 4 x 1 after 2 x 2: the same steps
+    # two processes of 1 x 2 each: their slices of every step make the one process's step
+    ranks = [ChatBatches(examples, batch_size=1, grad_accum=2, seed=7, pad_id=0, rank=r, world=2,
+                         group_by_length=True) for r in range(2)]
+    for step in range(grouped.steps_per_epoch + 2):
+        together = sorted(e.line for micro in grouped.step_examples(step) for e in micro)
+        assert sorted(e.line for r in ranks for micro in r.step_examples(step) for e in micro) == together
+
+
 def test_collate_pads_right_and_ignores_padding():
     batch = collate(examples_of([4, 2]), pad_id=9)
     assert batch["input_ids"].tolist() == [[1, 2, 3], [1, 9, 9]]
@@ -244,3 +286,15 @@ def test_validate_data_cli(tmp_path, capsys):
     assert "it holds 'prompt_completion' examples but the training file holds 'messages'" in capsys.readouterr().out
     assert main(["validate-data", train, train, "--valid", valid]) == 2
     assert "--valid goes with one training file or directory, and 2 were given" in capsys.readouterr().err
+
+
+def test_a_grouped_run_and_an_ungrouped_one_do_not_resume_each_other():
+    """--group-by-length changes which examples each step takes: a checkpoint of one order is not
+    resumed by a run of the other, and a run without it resumes checkpoints that never recorded it."""
+    from ptbr.runs.common import identity_problems
+
+    plain = {"mode": "finetune", "seed": 0, "effective_batch": 8}
+    grouped = plain | {"group_by_length": True}
+    assert identity_problems(plain, plain) == [] and identity_problems(grouped, grouped) == []
+    assert identity_problems(plain, grouped) == ["group_by_length is False in the checkpoint, True now"]
+    assert identity_problems(grouped, plain) == ["group_by_length is True in the checkpoint, False now"]

@@ -53,6 +53,22 @@ def test_chunk_size_is_32_mib_of_fp32_logits_256_on_a_gpu():
     assert chunked.chunk_tokens(32000, "cuda") == 2097 and chunked.chunk_tokens(32000, "mps") == 262
 
 
+def test_a_16_bit_trained_output_layer_takes_chunks_of_at_least_twice_its_hidden_size():
+    """Where the output layer's gradient is summed from 16-bit products, each chunk writes and adds
+    a (vocab x hidden) product: a chunk holds at least 2 x hidden tokens. Not in fp32, nor for a
+    frozen output layer (LoRA)."""
+    assert memory.CHUNK_TOKENS_PER_HIDDEN == 2
+    assert chunked.chunk_tokens(32000, "cpu", 640) == 1280 and chunked.chunk_tokens(32000, "cuda", 640) == 2097
+    assert chunked.chunk_tokens(32000, "cuda", 1536) == 3072  # 800m
+    assert memory.gradient_summed_hidden(640, "bf16") == memory.gradient_summed_hidden(640, "fp16") == 640
+    assert memory.gradient_summed_hidden(640, "fp32") == 0 == memory.gradient_summed_hidden(640, "bf16", trained=False)
+    weight = torch.zeros(32000, 640, requires_grad=True)
+    assert chunked.chunk_size(weight, torch.bfloat16, "cpu") == 1280
+    assert chunked.chunk_size(weight, torch.float32, "cpu") == 262
+    assert chunked.chunk_size(weight.detach(), torch.bfloat16, "cpu") == 262  # frozen
+    assert not memory.chunks_the_loss(1280, 32000, "cpu", 640) and memory.chunks_the_loss(1281, 32000, "cpu", 640)
+
+
 def test_the_loss_takes_its_device_s_chunk(monkeypatch):
     """The chunk follows the hidden states' device (CUDA's is checked on a GPU, tests/test_gpu.py)."""
     chunks, apply = [], chunked._ChunkedLinearCrossEntropy.apply
@@ -192,13 +208,15 @@ def _steps(chunked_loss: bool, precision: str, steps: int = 3, init_scale: float
     return results, {n: p.detach().clone() for n, p in model.named_parameters()}, step.eval_loss([batch])
 
 
-@pytest.mark.parametrize("precision, tolerance, norms, weights", [("fp32", 1e-6, 1e-5, 1e-5),
+@pytest.mark.parametrize("precision, tolerance, norms, weights", [("fp32", 1e-6, 1e-5, 2e-5),
                                                                   ("bf16", 1e-4, 1e-2, None),
                                                                   ("fp16", 1e-4, 1e-3, None)])
 def test_training_steps_are_the_whole_logits_ones(monkeypatch, precision, tolerance, norms, weights):
     """Three AdamW steps (learning rate 1e-4: each moves a weight by up to 1e-4) of two uneven
     micro-batches, chunked and whole: the same losses, gradient norms and, in fp32, weights, within
-    float noise (AdamW amplifies it in small gradients). In bf16 the gradients differ by bf16's
+    float noise (AdamW amplifies it in small gradients: one embedding weight of 38,400 ends 1.4e-5
+    apart, a seventh of one step's 1e-4; the gradients themselves are the whole logits' to float
+    noise, see test_fp32_loss_and_gradients_are_the_whole_logits_ones). In bf16 the gradients differ by bf16's
     rounding (1e-3 of the norm), which AdamW turns into whole updates of opposite sign where a
     gradient is near zero: its weights are not compared; nor in fp16, where the chunked loss
     scales its gradients by GradScaler's factor after the 16-bit matmuls, the whole logits before.
@@ -212,6 +230,7 @@ def test_training_steps_are_the_whole_logits_ones(monkeypatch, precision, tolera
         return real(*args, **kwargs)
 
     monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 50)
+    monkeypatch.setattr(memory, "CHUNK_TOKENS_PER_HIDDEN", 0)  # in bf16 and fp16 too
     monkeypatch.setattr(chunked, "chunked_cross_entropy", counted)
     chunked_results, chunked_weights, chunked_eval = _steps(True, precision)
     # 3 steps of 2 micro-batches (256 and 128 tokens), then the evaluation of the 384 tokens at once
@@ -234,9 +253,48 @@ def test_gradscaler_skips_the_same_overflowing_steps_with_the_chunked_loss(monke
     decoder's fp16 backward pass just as the whole logits' do: the same steps skipped (a gradient
     norm that is not finite), the same scale after them, and the same losses."""
     monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 50)
+    monkeypatch.setattr(memory, "CHUNK_TOKENS_PER_HIDDEN", 0)  # in bf16 and fp16 too
     runs = [_steps(chunked_loss, "fp16", steps=12, init_scale=2.0**30)[0] for chunked_loss in (True, False)]
     for results in runs:
         assert [np.isfinite(r.grad_norm) for r in results] == [False] * 9 + [True] * 3
         assert not any(r.skipped for r in results)  # routine in fp16: not counted as a divergence
     assert [r.loss for r in runs[0]] == pytest.approx([r.loss for r in runs[1]], rel=1e-4)
     assert runs[0][0].loss == runs[0][9].loss != runs[0][10].loss  # nothing moved until the scale fit
+
+
+def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(monkeypatch):
+    """The step decides whether to chunk, and the loss takes its chunks, by one rule: 50-token chunks
+    in fp32 (and for a frozen output layer), 2 x 128 = 256 tokens for `tiny` trained in bf16."""
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.config import PRESETS, LoopSettings
+    from ptbr.data.batch import windows_to_batch
+
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 50)
+    chunks, apply = [], chunked._ChunkedLinearCrossEntropy.apply
+    monkeypatch.setattr(chunked._ChunkedLinearCrossEntropy, "apply", lambda *a: chunks.append(a[4]) or apply(*a))
+    for precision, frozen, expected in (("fp32", False, 50), ("bf16", False, 256), ("bf16", True, 50)):
+        model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
+        model.get_output_embeddings().weight.requires_grad_(not frozen)
+        placement = resolve_precision(torch.device("cpu"), precision)
+        step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
+                         chunked_loss=True)
+        assert step.loss_chunk() == expected
+        windows = np.random.default_rng(0).integers(0, 300, size=(expected // 32 + 1, 33))
+        batch = {k: v.copy() for k, v in windows_to_batch(windows).items()}
+        chunks.clear()
+        step.train_step([batch], 1e-4)
+        assert chunks == [expected]  # more tokens than one chunk: chunked, by the step's chunk
+
+
+def test_the_log_softmax_out_of_place_is_the_in_place_one(monkeypatch, seven_tokens_a_chunk):
+    """On devices not known to compute log-softmax in place (Apple's MPS) the chunk takes a second
+    buffer: the same numbers, bit for bit (here on CPU, both ways)."""
+    hidden, weight, labels = inputs()
+    in_place = gradients(chunked.chunked_cross_entropy, hidden, weight, labels, torch.float32)
+    monkeypatch.setattr(chunked, "IN_PLACE_DEVICES", ())
+    apart = gradients(chunked.chunked_cross_entropy, hidden, weight, labels, torch.float32)
+    assert in_place[0] == apart[0]
+    assert torch.equal(in_place[1], apart[1]) and torch.equal(in_place[2], apart[2])
+    assert memory.IN_PLACE_DEVICES == ("cpu", "cuda")

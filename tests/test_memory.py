@@ -152,6 +152,7 @@ def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batc
     pytest.param(SMALL, 4096, 8, 64, "fp32", True, 100, 0.01, id="six-chunks-checkpointing-fp32"),
     pytest.param(SMALL, 4096, 8, 64, "fp32", False, 511, 0.01, id="one-chunk-and-one-token-fp32"),
     pytest.param(SMALL, 4096, 8, 64, "bf16", False, 300, 0.01, id="two-chunks-bf16"),
+    pytest.param(SMALL, 4096, 8, 64, "bf16", False, None, 0.01, id="chunks-of-twice-the-hidden-size-bf16"),
     # gradients dominate, and the embedding's gradient is added in place to the output layer's
     pytest.param(SMALL, VOCAB, 1, 16, "fp32", False, 8, 0.01, id="end-of-backward"),
     pytest.param(WIDE_MLP, 64, 16, 64, "bf16", True, 100, 0.01, id="recomputed-layer-bf16"),
@@ -165,7 +166,9 @@ def test_predicted_peak_of_the_chunked_loss_is_the_allocated_peak(monkeypatch, p
                                                                   checkpointing, chunk, tolerance):
     from ptbr import memory
 
-    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * vocab * chunk)  # chunks of `chunk` tokens
+    monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * vocab * (chunk or 1))  # chunks of `chunk` tokens
+    if chunk:  # in bf16 too; None: 2 x hidden tokens (bf16's chunks of a trained output layer)
+        monkeypatch.setattr(memory, "CHUNK_TOKENS_PER_HIDDEN", 0)
     assert memory.chunks_the_loss(batch * seq, vocab)
     predicted, measured = _predicted_and_measured(preset, vocab, batch, seq, precision, checkpointing, True)
     assert predicted == pytest.approx(measured, rel=tolerance), (predicted / measured)
@@ -200,6 +203,7 @@ def test_accumulating_micro_batches_keep_the_earlier_gradients(monkeypatch, voca
     from ptbr.data.batch import windows_to_batch
 
     monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * vocab * 100)
+    monkeypatch.setattr(memory, "CHUNK_TOKENS_PER_HIDDEN", 0)  # in bf16 too
     placement = resolve_precision(torch.device("cpu"), precision)
     model = build_model(SMALL, vocab, 0, 0)
     if checkpointing:
@@ -218,14 +222,15 @@ def test_accumulating_micro_batches_keep_the_earlier_gradients(monkeypatch, voca
 
 
 def test_the_chunked_loss_saves_the_whole_logits():
-    """85m at batch 8 x 1024 in bf16: the whole logits' 3,000 MiB of fp32 tensors become 213 MiB
-    (the hidden states and their gradient, the output layer's gradient and 16-bit copy, one chunk),
-    and the peak falls from 7.7 to 5.0 GiB."""
+    """85m at batch 8 x 1024 in bf16: the whole logits' 3,000 MiB of fp32 tensors become 393 MiB
+    (the hidden states and their gradient, the output layer's gradient and 16-bit copy, one chunk
+    of 1,280 tokens: twice the hidden size, its work 6 B x 1,280 x 32,000 = 234 MiB), and the peak
+    falls from 7.7 to 5.2 GiB."""
     arch = Architecture.from_preset(PRESETS["85m"], 32000)
     plain = estimate_training_memory(arch, 8, 1024, "bf16")
     chunked = estimate_training_memory(arch, 8, 1024, "bf16", chunked_loss=True)
     assert plain.logits == 3 * 4 * 8 * 1024 * 32000
-    assert 212 * 1024**2 < chunked.logits < 213 * 1024**2
+    assert 393 * 1024**2 < chunked.logits < 394 * 1024**2
     assert plain.total - chunked.total > 2.5 * 1024**3
 
 
@@ -390,6 +395,7 @@ def test_lora_chunked_loss_peak_is_bounded_by_its_estimate(tmp_path, monkeypatch
 
     vocab, seq = 1024, 128
     monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * vocab * 100)
+    monkeypatch.setattr(memory, "CHUNK_TOKENS_PER_HIDDEN", 0)  # in bf16 too
     backend, placement, arch = _lora_backend(tmp_path, layers, quant, precision, dropout, checkpointing,
                                              vocab=vocab, chunked=True)
     ids = np.random.default_rng(0).integers(0, vocab, size=(batch, seq))

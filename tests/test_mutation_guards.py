@@ -401,6 +401,10 @@ def test_fine_tuning_batches_do_not_depend_on_earlier_calls():
     examples = [Example(i + 1, 100 * i + np.arange(3 + i % 5), np.ones(3 + i % 5, dtype=bool)) for i in range(11)]
     # 2 steps per epoch: steps 3 and 1 are the same place in epochs 1 and 0, in different orders
     assert_pure(lambda: ChatBatches(examples, batch_size=2, grad_accum=4, seed=7, pad_id=0))
+    # --group-by-length (its order computed once per epoch): 11 steps of one example per epoch, asked
+    # across epochs 1 and 0
+    assert_pure(lambda: ChatBatches(examples, batch_size=1, grad_accum=1, seed=7, pad_id=0, group_by_length=True),
+                steps=(13, 1, 13, 0, 1))
 
 
 def test_validation_windows_are_evenly_spaced_and_capped(tmp_path):

@@ -55,7 +55,8 @@ def with_startup_code(tmp_path: Path, code: str, env: dict | None = None) -> dic
 
 def chunks_of(tmp_path: Path, tokens: int, vocab: int) -> dict:
     """An environment in which every process's chunked loss takes chunks of `tokens` tokens."""
-    return with_startup_code(tmp_path, f"import ptbr.memory\nptbr.memory.CHUNK_BYTES = 4 * {vocab} * {tokens}\n")
+    return with_startup_code(tmp_path, f"import ptbr.memory\nptbr.memory.CHUNK_BYTES = 4 * {vocab} * {tokens}\n"
+                                       "ptbr.memory.CHUNK_TOKENS_PER_HIDDEN = 0\n")
 
 
 THREADS_AT_EXIT = """

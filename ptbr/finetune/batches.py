@@ -10,6 +10,8 @@ import numpy as np
 from ptbr.data.batch import IGNORE_INDEX, Batch
 from ptbr.finetune.data import Example
 
+GROUP_WINDOW = 50  # --group-by-length: steps whose examples are sorted by length together (as transformers')
+
 
 def collate(examples: list[Example], pad_id: int) -> Batch:
     """Right-pad to the longest example of this micro-batch: pad ids, attention_mask 0, labels -100."""
@@ -36,19 +38,48 @@ class ChatBatches:
     In a data-parallel run of `world` processes, a global micro-batch holds batch_size * world
     examples and each rank takes its slice; a rank left without examples at the end of an epoch
     runs a micro-batch whose loss covers nothing, so that every rank takes part in every step.
+
+    group_by_length (--group-by-length): the epoch's shuffled order is cut into windows of
+    GROUP_WINDOW steps' examples; each window is sorted by length (longest first), cut into steps
+    and its steps put in a random order. A micro-batch then pads to a length close to its other
+    examples' (like transformers' LengthGroupedSampler, which sorts windows of up to 50 batches but
+    keeps them longest first). It depends on the effective batch only, so a run resumed with
+    another split of it sees the same steps.
     """
 
     def __init__(self, examples: list[Example], batch_size: int, grad_accum: int, seed: int, pad_id: int,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, group_by_length: bool = False):
         if not examples:
             raise ValueError("ChatBatches needs at least one example")
         self.examples, self.batch_size, self.grad_accum = examples, batch_size, grad_accum
         self.seed, self.pad_id, self.rank, self.world = seed, pad_id, rank, world
+        self.group_by_length = group_by_length
+        self.lengths = np.array([len(e.ids) for e in examples]) if group_by_length else None
+        self._order: tuple[int, np.ndarray] | None = None  # the last epoch's, computed once
         self.micro_batches_per_epoch = math.ceil(len(examples) / (batch_size * world))
         self.steps_per_epoch = math.ceil(self.micro_batches_per_epoch / grad_accum)
 
     def order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, self._ordered(epoch))
+        return self._order[1]
+
+    def _ordered(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.examples))
+        if not self.group_by_length:
+            return order
+        step = self.batch_size * self.grad_accum * self.world  # examples per optimizer step
+        lengths = self.lengths
+        grouped = []
+        for start in range(0, len(order), GROUP_WINDOW * step):
+            window = order[start:start + GROUP_WINDOW * step]
+            window = window[np.argsort(-lengths[window], kind="stable")]  # longest first
+            steps = [window[i:i + step] for i in range(0, len(window), step)]
+            # the window's steps in a random order; a short last step of the epoch stays last
+            full = [s for s in steps if len(s) == step]
+            grouped += [full[i] for i in rng.permutation(len(full))] + [s for s in steps if len(s) < step]
+        return np.concatenate(grouped)
 
     def step_examples(self, step: int) -> list[list[Example]]:
         """This rank's examples in each micro-batch of optimizer step `step` (possibly none)."""

@@ -124,7 +124,8 @@ def identity(settings: FinetuneConfig, train: JsonlReport, backend) -> dict:
     return {"mode": "finetune", "backend": backend.name, "base_files": fingerprint(settings.base), "quant": settings.quant, "lora_r": settings.lora_r,
             "lora_alpha": settings.lora_alpha, "target_modules": settings.target_modules,
             "train_examples": len(train.examples), "train_data": digest.hexdigest()[:16],
-            "seed": settings.seed, "effective_batch": effective_batch(settings, backend.world)}
+            "seed": settings.seed, "effective_batch": effective_batch(settings, backend.world),
+            **({"group_by_length": True} if settings.group_by_length else {})}  # absent: older checkpoints' order
 
 
 def steps_per_epoch(examples: int, effective_batch: int) -> int:
@@ -193,10 +194,11 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
         settings = _auto_fit(settings, backend, adapted, train.examples, pad_id)
     world = backend.world
     source = ChatBatches(train.examples, settings.batch_size, settings.grad_accum, settings.seed, pad_id, world.rank,
-                         world.size)
+                         world.size, group_by_length=settings.group_by_length)
     settings = settings.resolve_steps(source.steps_per_epoch)
     log(f"{len(train.examples)} training examples ({train.schema}), {source.steps_per_epoch} steps per epoch "
-        f"(batch {settings.batch_size} x grad_accum {settings.grad_accum}): {settings.max_steps} steps = "
+        f"(batch {settings.batch_size} x grad_accum {settings.grad_accum}"
+        f"{', grouped by length' if settings.group_by_length else ''}): {settings.max_steps} steps = "
         f"{settings.max_steps / source.steps_per_epoch:.2f} epochs, warmup {settings.warmup_steps}")
     given, resume = loaded.resume
     if settings.resume != given:  # a retry after an out-of-memory, from the checkpoint this run wrote

@@ -134,14 +134,10 @@ class TorchBackend:
             return None
         if step.head is None:
             return f"chunked loss: not with this model ({step.whole_logits_why}): the whole logits"
-        from ptbr.memory import chunk_tokens, chunks_the_loss
-
-        vocab = step.head.out_features
-        device = step.placement.device.type
-        line = (f"chunked loss: {chunk_tokens(vocab, device)} tokens per chunk at vocabulary {vocab:,}; "
+        chunk = step.loss_chunk()
+        line = (f"chunked loss: {chunk} tokens per chunk at vocabulary {step.head.out_features:,}; "
                 f"micro-batches of {tokens} ")
-        return line + ("tokens are chunked" if chunks_the_loss(tokens, vocab, device)
-                       else "tokens are not (their logits fit one chunk)")
+        return line + ("tokens are chunked" if tokens > chunk else "tokens are not (their logits fit one chunk)")
 
     def write_adapter(self, adapted, directory: Path) -> None:
         """PEFT's adapter_model.safetensors and adapter_config.json."""

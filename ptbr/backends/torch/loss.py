@@ -10,11 +10,15 @@ right away, the loss's gradients with respect to the hidden states and the outpu
 (softmax minus the one-hot target, times the weight or the hidden states). Only one chunk's logits
 exist at a time; what the backward pass gets is the two gradients, scaled by its incoming gradient.
 The matrix multiplies are the same three as the plain way's (forward, and the two of its backward),
-in the same precision (autocast's 16-bit type, or fp32), so nothing is recomputed. On a CPU the
-step is as fast or faster, because the logits stay in cache (README, "Performance"). On a GPU
-chunks of that size (262 tokens at a 32k vocabulary) made an H200's steps about 20% slower than the whole
-logits (many small kernels, and the fp32 (vocab x hidden) weight gradient added up once per chunk),
-so CUDA takes 256 MiB chunks (ptbr.memory.chunk_tokens): 8% slower than the whole logits there.
+in the same precision (autocast's 16-bit type, or fp32), so nothing is recomputed. Each chunk's
+logits are one fp32 buffer worked on in place: log-softmax, then exp, then minus one at the
+targets (two passes over it; F.cross_entropy and its backward write three new tensors of the whole
+logits' size: the log-softmax, the gradient of its output and the gradient of the logits). On a
+CPU the step is as fast or faster, because the logits stay in cache (README, "Performance"). Chunks of 32 MiB (262 tokens at a 32k vocabulary) made an H200's steps
+about 20% slower than the whole logits (many small kernels, and the fp32 (vocab x hidden) weight
+gradient added up once per chunk), so CUDA takes 256 MiB chunks: 8% slower than the whole logits
+there, measured before the in-place passes. Where that weight gradient is summed from 16-bit
+products, a chunk holds at least twice the hidden size in tokens (ptbr.memory.chunk_tokens).
 
 The output layer still runs inside the model's forward pass (through DDP's or FSDP's wrapper, which
 need it to), only it returns nothing while `hidden_states_of` holds it: it records its input and its
@@ -29,7 +33,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ptbr.data.batch import IGNORE_INDEX
-from ptbr.memory import chunk_tokens
+from ptbr.memory import IN_PLACE_DEVICES, chunk_tokens, gradient_summed_hidden
 
 
 def chunkable_head(model, autocast=nullcontext) -> tuple[torch.nn.Linear | None, str | None]:
@@ -95,19 +99,34 @@ def hidden_states_of(head):
             head.forward = previous
 
 
+def chunk_size(weight, dtype, device_type: str) -> int:
+    """Tokens per chunk for the output layer `weight` (vocab, hidden) computing in `dtype` on
+    `device_type` (ptbr.memory.chunk_tokens: larger where a trained layer's gradient is summed
+    from 16-bit products)."""
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    vocab, hidden = weight.shape
+    return chunk_tokens(vocab, device_type, gradient_summed_hidden(hidden, precision, weight.requires_grad))
+
+
 def chunked_cross_entropy(hidden, weight, labels, dtype=None):
     """Summed cross-entropy of `labels` (N; IGNORE_INDEX for none) under the logits
     hidden (N, H) @ weight.T (V, H), computed in `dtype` (default: the weight's), the logits upcast to
     fp32 as F.cross_entropy's caller does."""
     dtype = dtype or weight.dtype
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, dtype, chunk_tokens(weight.shape[0], hidden.device.type),
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, dtype, chunk_size(weight, dtype, hidden.device.type),
                                             torch.is_grad_enabled() and hidden.requires_grad,
                                             torch.is_grad_enabled() and weight.requires_grad)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Its backward scales the gradients made in the forward pass in place: one backward pass per
-    forward (a second, with retain_graph, fails loudly on the tensors' version counters)."""
+    forward (a second, with retain_graph, fails loudly on the tensors' version counters).
+
+    Per chunk, the (chunk x vocab) fp32 logits are one buffer worked on in place: log-softmax (the
+    kernel F.cross_entropy runs, one read of each row in cache), the targets' log-probabilities
+    gathered, exp (the softmax), minus one at each target: the gradient of the logits. Ignored
+    tokens are masked on the (chunk x hidden) side, in their hidden states' gradient and in the
+    hidden states that make the weight's, not by another pass over the logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, dtype, chunk, grad_hidden, grad_weight):
@@ -115,33 +134,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         d_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if grad_hidden else None
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight else None
         w = weight.to(dtype)
+        in_place = hidden.device.type in IN_PLACE_DEVICES
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk].to(dtype)
             target = labels[start:start + chunk]
-            counted = target != IGNORE_INDEX
-            target = torch.where(counted, target, 0)
+            counted = (target != IGNORE_INDEX)[:, None]
+            target = torch.where(counted, target[:, None], 0)
             logits = (h @ w.T).float()
-            target_logit = logits.gather(1, target[:, None]).squeeze(1)
-            # log-sum-exp with the exponentials made in place (torch.logsumexp makes a copy)
-            peak = logits.amax(dim=-1, keepdim=True)
-            exponentials = logits.sub_(peak).exp_()
-            sums = exponentials.sum(dim=-1)
-            total += torch.where(counted, sums.log() + peak.squeeze(1) - target_logit, 0).sum()
+            log_probs = torch.log_softmax(logits, dim=-1, out=logits if in_place else None)
+            total -= torch.where(counted, log_probs.gather(1, target), 0).sum()
             if d_hidden is None and d_weight is None:
                 continue
-            # d(loss)/d(logits) = softmax - one_hot(target), zero for ignored tokens; in place
-            d_logits = exponentials.div_(sums[:, None])
-            d_logits.scatter_add_(1, target[:, None], torch.full_like(target_logit[:, None], -1.0))
-            d_logits.mul_(counted[:, None])
-            del logits, exponentials
+            # d(loss)/d(logits) = softmax - one_hot(target), in place (ignored tokens masked below)
+            d_logits = log_probs.exp_()
+            d_logits.scatter_add_(1, target, torch.full(target.shape, -1.0, dtype=d_logits.dtype, device=target.device))
+            del logits, log_probs
             d_logits = d_logits.to(dtype)
             if d_hidden is not None:
-                d_hidden[start:start + chunk] = d_logits @ w
+                torch.mul(d_logits @ w, counted, out=d_hidden[start:start + chunk])
             if d_weight is not None:
                 if dtype == torch.float32:
-                    d_weight.addmm_(d_logits.T, h)
+                    d_weight.addmm_(d_logits.T, h * counted)
                 else:
-                    d_weight.add_(d_logits.T @ h)
+                    d_weight.add_(d_logits.T @ (h * counted))
             del d_logits  # before the next chunk's logits are made
         ctx.save_for_backward(d_hidden, d_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)

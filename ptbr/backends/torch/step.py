@@ -11,7 +11,6 @@ import numpy as np
 
 from ptbr.backends.world import SingleProcess
 from ptbr.data.batch import IGNORE_INDEX, Batch, StepResult, input_count, target_count
-from ptbr.memory import chunks_the_loss
 
 
 class TorchStep:
@@ -91,9 +90,17 @@ class TorchStep:
         return {k: (t.pin_memory() if pin else t).to(self.placement.device, non_blocking=True)
                 for k, t in tensors.items()}
 
+    def loss_chunk(self) -> int | None:
+        """Tokens per chunk of the chunked loss (None: the whole logits, always)."""
+        if self.head is None:
+            return None
+        from ptbr.backends.torch.loss import chunk_size
+
+        return chunk_size(self.head.weight, self.placement.autocast_dtype or self.head.weight.dtype,
+                          self.placement.device.type)
+
     def _chunks(self, batch: dict) -> bool:
-        return self.head is not None and chunks_the_loss(batch["labels"].numel(), self.head.out_features,
-                                                         self.placement.device.type)
+        return self.head is not None and batch["labels"].numel() > self.loss_chunk()
 
     def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch (eager)."""

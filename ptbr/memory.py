@@ -370,7 +370,8 @@ def gradient_summed_hidden(hidden_size: int, precision: str, trained: bool = Tru
 def chunks_the_loss(tokens: int, vocab_size: int, device: str = "cpu", summed_hidden: int = 0) -> bool:
     """Whether --chunked-loss chunks a micro-batch: only where its whole fp32 logits would be more
     than one chunk. Below that there is no memory to save, and F.cross_entropy's fused kernels
-    are faster (measured on CPU at a 2,048-token vocabulary)."""
+    were faster (measured on CPU at a 2,048-token vocabulary before the chunks were worked on in
+    place; since then one fused chunk measured 6% faster at `tiny`: README, "Performance")."""
     return tokens > chunk_tokens(vocab_size, device, summed_hidden)
 
 

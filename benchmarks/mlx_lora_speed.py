@@ -11,8 +11,9 @@ every layer, no dropout, the same batch size and learning rate, for the same num
 the first steps (compilation) are not timed. mlx-lm batches examples of similar length together
 (sorted by length): ptbr runs with --group-by-length, its own way of doing so. Both are timed from
 the end of the last untimed step to the end of the last, the making of each batch included: ptbr
-by its steps' times (metrics.jsonl's elapsed_s), mlx-lm by the wall clock at its step reports. Tokens are the tokens a loss is taken on (the ones
-both count the same way: every token of an example but its first).
+by its steps' times (metrics.jsonl's elapsed_s), mlx-lm by the wall clock at its step reports.
+Tokens are the tokens a loss is taken on (the ones both count the same way: every token of an
+example but its first).
 
 Each run is a fresh process (nothing compiled, cached or allocated by one trainer helps the other),
 the two take turns and swap who goes first every repeat; each side's value is its median run, the

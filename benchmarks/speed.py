@@ -152,6 +152,20 @@ def gpu_peak_flops() -> tuple[str, float | None]:
     return name, next((peak for word, peak in GPU_PEAK_FLOPS.items() if word in name), None)
 
 
+def pretrain_spec(args, size: str, batch_size: int, seq_len: int, precision: str, output: Path,
+                  data: Path | None = None) -> dict:
+    """What a pretraining contender runs (speed_workers.py), alike for every side of a row."""
+    return {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
+            "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(output),
+            **({"data": str(data)} if data else {})}
+
+
+def pretrain_command(size: str, batch_size: int, seq_len: int, device: str, precision: str, data: bool) -> str:
+    """ptbr's side of a pretraining row, as a user types it."""
+    return (f"ptbr train {'--data DATA ' if data else ''}--model-size {size} --batch-size {batch_size} "
+            f"--seq-len {seq_len} --device {device} --precision {precision}")
+
+
 def pretrain_section(args, work: Path) -> list[dict]:
     from ptbr.backends.torch.device import cpu_has_native_bf16
     from ptbr.config import PRESETS
@@ -177,9 +191,7 @@ def pretrain_section(args, work: Path) -> list[dict]:
     default_is_bf16 = args.device == "cpu" and args.precision is None and cpu_has_native_bf16()
     rows = []
     for size, batch_size, seq_len in shapes:
-        spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
-                "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / size),
-                **({"data": str(data)} if data else {})}
+        spec = pretrain_spec(args, size, batch_size, seq_len, precision, work / size, data)
         print(f"pretraining {size}: batch {batch_size} x seq_len {seq_len}, {precision}, {args.device}, "
               f"vocabulary {vocab:,}", flush=True)
         contenders = {"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
@@ -198,8 +210,7 @@ def pretrain_section(args, work: Path) -> list[dict]:
         tokens = batch_size * seq_len
         step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
         first = {name: [r["first_step_s"] for r in rs] for name, rs in runs.items()}
-        command = (f"ptbr train {'--data DATA ' if data else ''}--model-size {size} --batch-size {batch_size} "
-                   f"--seq-len {seq_len} --device {args.device} --precision {precision}")
+        command = pretrain_command(size, batch_size, seq_len, args.device, precision, data is not None)
         mfu = {}
         if args.device == "cuda":
             device_name, peak = gpu_peak_flops()
@@ -280,9 +291,7 @@ def large_vocab_section(args, work: Path) -> list[dict]:
     make_vocab_dataset(data, 32000, 200_000)
     size, batch_size, seq_len = ("tiny", 2, 160) if args.quick else ("tiny", 8, 256)
     precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-    spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
-            "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / "vocab32k-runs"),
-            "data": str(data)}
+    spec = pretrain_spec(args, size, batch_size, seq_len, precision, work / "vocab32k-runs", data)
     print(f"pretraining {size} at a 32k vocabulary: batch {batch_size} x seq_len {seq_len}, {precision}", flush=True)
     contenders = {"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
                   "plain_loop": ("plain-pretrain", spec),
@@ -292,8 +301,7 @@ def large_vocab_section(args, work: Path) -> list[dict]:
                        "ptbr_compile_whole": ("ptbr-pretrain", dict(spec, flags=["--compile", "--no-chunked-loss"]))}
     runs = interleaved(contenders, args.rounds)
     tokens = batch_size * seq_len
-    command = (f"ptbr train --data DATA --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
-               f"--device {args.device} --precision {precision}")
+    command = pretrain_command(size, batch_size, seq_len, args.device, precision, True)
     name = f"pretrain {size}, 32k vocabulary (batch {batch_size} x {seq_len}, {precision})"
     rows = speed_and_memory_rows("pretrain", name, command, args.device, runs, tokens, "ptbr", (
         ("hf_trainer", "HF Trainer"), ("plain_loop", "plain PyTorch loop"), ("ptbr_whole", "ptbr --no-chunked-loss")))
@@ -313,14 +321,11 @@ def large_vocab_85m_rows(args, work: Path, data: Path) -> list[dict]:
 
     precision = args.precision or ("bf16" if cpu_has_native_bf16() else "fp32")
     size, batch_size, seq_len = "85m", 8, 256
-    spec = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": args.device,
-            "precision": precision, "warmup": args.warmup, "steps": args.steps, "output": str(work / "vocab32k-85m"),
-            "data": str(data)}
+    spec = pretrain_spec(args, size, batch_size, seq_len, precision, work / "vocab32k-85m", data)
     print(f"pretraining {size} at a 32k vocabulary: batch {batch_size} x seq_len {seq_len}, {precision}", flush=True)
     runs = interleaved({"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
                         "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds)
-    command = (f"ptbr train --data DATA --model-size {size} --batch-size {batch_size} --seq-len {seq_len} "
-               f"--device {args.device} --precision {precision}")
+    command = pretrain_command(size, batch_size, seq_len, args.device, precision, True)
     return speed_and_memory_rows("pretrain", f"pretrain {size}, 32k vocabulary (batch {batch_size} x {seq_len}, "
                                  f"{precision})", command, args.device, runs, batch_size * seq_len, "ptbr",
                                  (("hf_trainer", "HF Trainer" + (", bf16=True" if precision == "bf16" else "")),

@@ -330,8 +330,8 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
     kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
     forward_output = (2 if mixed else 4) * tokens * arch.vocab_size  # the logits
-    if chunked_loss and not arch.changes_logits and chunks_the_loss(
-            tokens, arch.vocab_size, device, gradient_summed_hidden(arch.hidden_size, precision)):
+    summed = gradient_summed_hidden(arch.hidden_size, precision)
+    if chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size, device, summed):
         # the output layer does not run in the forward pass (so autocast makes no copy of it, and
         # nothing saves its input); the loss then holds the final hidden states, their gradient
         # and the output layer's gradient, and works on one chunk of logits at a time
@@ -339,7 +339,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         all_copies -= lm_head_copy
         held_copies -= lm_head_copy
         forward_output = 4 * arch.hidden_size * tokens  # the final hidden states
-        logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4, device)
+        logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4, device, summed)
         # the output layer's gradient exists before the embedding's: that one is added in place
         embedding_grad = 4 * arch.lm_head_parameters if arch.tie_word_embeddings else 0
     return MemoryEstimate(
@@ -375,7 +375,7 @@ def chunks_the_loss(tokens: int, vocab_size: int, device: str = "cpu", summed_hi
     return tokens > chunk_tokens(vocab_size, device, summed_hidden)
 
 
-def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: str) -> int:
+def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: str, summed_hidden: int) -> int:
     """The chunked loss of full training at its peak (ptbr/backends/torch/loss.py): the final
     hidden states (fp32, after the final RMSNorm), their fp32 gradient and the output layer's fp32
     gradient, all made in the forward pass; in 16 bits the output layer's 16-bit copy; and one
@@ -386,7 +386,7 @@ def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: s
     logits, its transposed copy (CPU) and the weight's 16-bit gradient; that gradient's fp32 upcast
     as it is added (CPU). Under the 2 x hidden minimum chunk the first is the largest."""
     h, vocab = arch.hidden_size, arch.vocab_size
-    chunk = min(chunk_tokens(vocab, device, h if compute == 2 else 0), tokens)
+    chunk = min(chunk_tokens(vocab, device, summed_hidden), tokens)
     held = 4 * h * tokens + 4 * h * tokens + 4 * vocab * h
     second = 0 if device in IN_PLACE_DEVICES else 4 * chunk * vocab
     if compute == 4:

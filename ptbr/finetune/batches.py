@@ -70,11 +70,10 @@ class ChatBatches:
         if not self.group_by_length:
             return order
         step = self.batch_size * self.grad_accum * self.world  # examples per optimizer step
-        lengths = self.lengths
         grouped = []
         for start in range(0, len(order), GROUP_WINDOW * step):
             window = order[start:start + GROUP_WINDOW * step]
-            window = window[np.argsort(-lengths[window], kind="stable")]  # longest first
+            window = window[np.argsort(-self.lengths[window], kind="stable")]  # longest first
             steps = [window[i:i + step] for i in range(0, len(window), step)]
             # the window's steps in a random order; a short last step of the epoch stays last
             full = [s for s in steps if len(s) == step]

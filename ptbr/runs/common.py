@@ -287,10 +287,10 @@ def identity_problems(recorded: dict | None, requested: dict) -> list[str]:
         kinds = {"pretrain": "a pretraining (ptbr train)", "finetune": "a fine-tuning (ptbr finetune)"}
         return [f"it is {kinds.get(recorded.get('mode'), repr(recorded.get('mode')))} checkpoint and this is "
                 f"{kinds.get(requested['mode'], requested['mode'])} run"]
-    keys = [*requested, *(key for key in OPTIONAL_IDENTITY if key in recorded and key not in requested)]
-    return [f"{key} is {recorded.get(key, OPTIONAL_IDENTITY.get(key))!r} in the checkpoint, "
-            f"{requested.get(key, OPTIONAL_IDENTITY.get(key))!r} now" + IDENTITY_HINTS.get(key, "") for key in keys
-            if key != "mode" and recorded.get(key, OPTIONAL_IDENTITY.get(key)) != requested.get(key, OPTIONAL_IDENTITY.get(key))]
+    recorded, requested = OPTIONAL_IDENTITY | recorded, OPTIONAL_IDENTITY | requested
+    return [f"{key} is {recorded.get(key)!r} in the checkpoint, {requested.get(key)!r} now"
+            + IDENTITY_HINTS.get(key, "") for key in requested
+            if key != "mode" and recorded.get(key) != requested.get(key)]
 
 
 # keys of a run's identity written only when not at their default (what older checkpoints, which

@@ -54,10 +54,14 @@ class TorchStep:
         # the whole would be larger than one chunk; None: the whole logits, through the output layer
         self.chunked_loss = chunked_loss
         self.head, self.whole_logits_why = None, None
+        self._loss_chunk = None  # its tokens per chunk (loss.chunk_size, as the loss takes them): fixed for the run
         if chunked_loss:
-            from ptbr.backends.torch.loss import chunkable_head
+            from ptbr.backends.torch.loss import chunk_size, chunkable_head
 
             self.head, self.whole_logits_why = chunkable_head(model, placement.autocast)
+            if self.head is not None:
+                self._loss_chunk = chunk_size(self.head.weight, placement.autocast_dtype or self.head.weight.dtype,
+                                              placement.device.type)
             if sharded:  # its probe's forward pass left FSDP's root unit gathered (loading a state then fails)
                 model.reshard()
         # fine-tuning's right-padded batches go without their attention mask where the model is a
@@ -92,15 +96,10 @@ class TorchStep:
 
     def loss_chunk(self) -> int | None:
         """Tokens per chunk of the chunked loss (None: the whole logits, always)."""
-        if self.head is None:
-            return None
-        from ptbr.backends.torch.loss import chunk_size
-
-        return chunk_size(self.head.weight, self.placement.autocast_dtype or self.head.weight.dtype,
-                          self.placement.device.type)
+        return self._loss_chunk
 
     def _chunks(self, batch: dict) -> bool:
-        return self.head is not None and batch["labels"].numel() > self.loss_chunk()
+        return self.head is not None and batch["labels"].numel() > self._loss_chunk
 
     def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch (eager)."""

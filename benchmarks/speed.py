@@ -168,10 +168,8 @@ def pretrain_command(size: str, batch_size: int, seq_len: int, device: str, prec
 
 def pretrain_section(args, work: Path) -> list[dict]:
     from ptbr.backends.torch.device import cpu_has_native_bf16
-    from ptbr.config import PRESETS
     from ptbr.data import SAMPLE_DIR
     from ptbr.data.tokens import open_dataset
-    from ptbr.memory import chunks_the_loss, gradient_summed_hidden
 
     vocab = args.vocab if args.vocab is not None else PRETRAIN_VOCAB[args.device]
     data = None
@@ -194,15 +192,13 @@ def pretrain_section(args, work: Path) -> list[dict]:
         spec = pretrain_spec(args, size, batch_size, seq_len, precision, work / size, data)
         print(f"pretraining {size}: batch {batch_size} x seq_len {seq_len}, {precision}, {args.device}, "
               f"vocabulary {vocab:,}", flush=True)
+        # ptbr_whole: ptbr's own whole logits (--no-chunked-loss), the chunked loss's lever alone
         contenders = {"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
-                      "plain_loop": ("plain-pretrain", spec)}
+                      "plain_loop": ("plain-pretrain", spec),
+                      "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}
         if not args.no_compile:  # torch.compile on both sides: ptbr's --compile, the Trainer's torch_compile
             contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"], cold_compile=True)),
                            "hf_trainer_compile": ("hf-pretrain", dict(spec, torch_compile=True, cold_compile=True))}
-        chunked = chunks_the_loss(batch_size * seq_len, vocab, args.device,
-                                  gradient_summed_hidden(PRESETS[size].hidden_size, precision))
-        if chunked:  # the lever alone: ptbr's own whole logits
-            contenders["ptbr_whole"] = ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))
         if default_is_bf16:  # what each runs when left to its defaults, and both in bf16
             contenders |= {"ptbr_default": ("ptbr-pretrain", dict(spec, flags=["--precision", "auto"])),
                            "hf_trainer_bf16": ("hf-pretrain", dict(spec, precision="bf16"))}
@@ -217,9 +213,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
             if peak is not None and precision in ("bf16", "fp16"):
                 per_token = flops_per_token(size, vocab, seq_len)
                 mfu = {name: per_token * tokens / statistics.median(s) / peak for name, s in step.items()}
-        pairs = [("ptbr", "hf_trainer", "HF Trainer"), ("ptbr", "plain_loop", "plain PyTorch loop")]
-        if chunked:
-            pairs.append(("ptbr", "ptbr_whole", "ptbr --no-chunked-loss"))
+        pairs = [("ptbr", "hf_trainer", "HF Trainer"), ("ptbr", "plain_loop", "plain PyTorch loop"),
+                 ("ptbr", "ptbr_whole", "ptbr --no-chunked-loss")]
         if not args.no_compile:
             pairs += [("ptbr_compile", "hf_trainer", "HF Trainer"),
                       ("ptbr_compile", "hf_trainer_compile", "HF Trainer, torch_compile=True")]
@@ -284,9 +279,9 @@ def make_vocab_dataset(directory: Path, vocab_size: int, tokens: int) -> None:
 
 
 def large_vocab_section(args, work: Path) -> list[dict]:
-    """Pretraining at a 32k vocabulary (random tokens), where ptbr's chunked loss applies: tokens/s
-    and peak memory against the Trainer and the plain loop (both compute the whole fp32 logits),
-    and against ptbr's own --no-chunked-loss (the lever alone)."""
+    """Pretraining at a 32k vocabulary (random tokens), where ptbr's chunked loss makes several
+    chunks: tokens/s and peak memory against the Trainer and the plain loop (both compute the whole
+    fp32 logits), and against ptbr's own --no-chunked-loss (the lever alone)."""
     data = work / "vocab32k"
     make_vocab_dataset(data, 32000, 200_000)
     size, batch_size, seq_len = ("tiny", 2, 160) if args.quick else ("tiny", 8, 256)
@@ -427,8 +422,8 @@ def finetune_section(args, work: Path) -> list[dict]:
 
 def large_vocab_finetune_section(args, work: Path) -> list[dict]:
     """QLoRA at Mistral-7B's 32k vocabulary, where a micro-batch's logits exceed one chunk and
-    ptbr's chunked loss applies: tokens/s and peak memory against transformers + PEFT's Trainer
-    (the whole fp32 logits) and against ptbr's own --no-chunked-loss (the lever alone)."""
+    ptbr's chunked loss makes several: tokens/s and peak memory against transformers + PEFT's
+    Trainer (the whole fp32 logits) and against ptbr's own --no-chunked-loss (the lever alone)."""
     base, data = work / "base32k", work / "train32k.jsonl"
     base.mkdir(parents=True, exist_ok=True)
     make_finetune_base(base, args.quick, vocab=32000)

@@ -330,8 +330,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
     kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
     forward_output = (2 if mixed else 4) * tokens * arch.vocab_size  # the logits
-    summed = gradient_summed_hidden(arch.hidden_size, precision)
-    if chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size, device, summed):
+    if chunked_loss and not arch.changes_logits:
         # the output layer does not run in the forward pass (so autocast makes no copy of it, and
         # nothing saves its input); the loss then holds the final hidden states, their gradient
         # and the output layer's gradient, and works on one chunk of logits at a time
@@ -339,7 +338,8 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         all_copies -= lm_head_copy
         held_copies -= lm_head_copy
         forward_output = 4 * arch.hidden_size * tokens  # the final hidden states
-        logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4, device, summed)
+        logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4, device,
+                                     gradient_summed_hidden(arch.hidden_size, precision))
         # the output layer's gradient exists before the embedding's: that one is added in place
         embedding_grad = 4 * arch.lm_head_parameters if arch.tie_word_embeddings else 0
     return MemoryEstimate(
@@ -365,14 +365,6 @@ def gradient_summed_hidden(hidden_size: int, precision: str, trained: bool = Tru
     """chunk_tokens' `summed_hidden` for an output layer of `hidden_size` trained (`trained`) in
     `precision`: its hidden size where the layer's gradient is summed from 16-bit products, else 0."""
     return hidden_size if trained and precision in ("fp16", "bf16") else 0
-
-
-def chunks_the_loss(tokens: int, vocab_size: int, device: str = "cpu", summed_hidden: int = 0) -> bool:
-    """Whether --chunked-loss chunks a micro-batch: only where its whole fp32 logits would be more
-    than one chunk. Below that there is no memory to save, and F.cross_entropy's fused kernels
-    were faster (measured on CPU at a 2,048-token vocabulary before the chunks were worked on in
-    place; since then one fused chunk measured 6% faster at `tiny`: README, "Performance")."""
-    return tokens > chunk_tokens(vocab_size, device, summed_hidden)
 
 
 def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: str, summed_hidden: int) -> int:
@@ -490,7 +482,7 @@ def estimate_lora_memory(arch: Architecture, batch_size: int, seq_len: int, lora
         backward_end=resident + working + (kept + activations if gradient_checkpointing else 0),
         quant=quant,
     )
-    if not (chunked_loss and not arch.changes_logits and chunks_the_loss(tokens, arch.vocab_size, device)):
+    if not (chunked_loss and not arch.changes_logits):
         return estimate
     # The chunked loss: the output layer does not run in the forward pass (autocast saves no copy
     # of it); the loss holds the final hidden states, their gradient and one chunk's work. With

@@ -39,6 +39,7 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     assert {
         ("pretrain", "tokens/s", "HF Trainer"),
         ("pretrain", "tokens/s", "plain PyTorch loop"),
+        ("pretrain", "tokens/s", "ptbr --no-chunked-loss"),  # the chunked loss (one chunk here) alone
         ("pretrain", "tokens/s", "HF Trainer, torch_compile=True"),  # ptbr --compile against the compiled Trainer
         ("startup", "seconds", "HF Trainer"),  # command to first step
         ("finetune", "tokens/s", "transformers + PEFT Trainer"),
@@ -48,7 +49,8 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     assert any(row["name"] == "`ptbr --help` start-up" for row in result["rows"] if row["section"] != "mlx")
     finetune = [r for r in result["rows"] if r["section"] == "finetune" and "32k vocabulary" not in r["name"]]
     assert len(finetune) == 4  # LoRA and QLoRA, speed and memory
-    # QLoRA at Mistral-7B's 32k vocabulary, where the chunked loss applies: against PEFT and ptbr's own whole logits
+    # QLoRA at Mistral-7B's 32k vocabulary, where the chunked loss makes several chunks: against PEFT and
+    # ptbr's own whole logits
     large = [r for r in result["rows"] if r["section"] == "finetune" and "32k vocabulary" in r["name"]]
     assert {(row["metric"], row["reference"]) for row in large} == {
         (metric, reference) for metric in ("tokens/s", "peak resident memory")
@@ -66,7 +68,7 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     assert [(row["metric"], row["reference"]) for row in large_compiled] == [
         ("tokens/s", "ptbr --compile --no-chunked-loss"), ("peak resident memory", "ptbr --compile --no-chunked-loss")]
     assert all(row["command"].endswith(" --compile") for row in large_compiled)
-    # at a 32k vocabulary, where the chunked loss applies: speed and memory against three references
+    # at a 32k vocabulary, where the chunked loss makes several chunks: speed and memory against three references
     assert {(row["metric"], row["reference"]) for row in large} == {
         (metric, reference) for metric in ("tokens/s", "peak resident memory")
         for reference in ("HF Trainer", "plain PyTorch loop", "ptbr --no-chunked-loss")} and len(large) == 6
@@ -76,7 +78,8 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     # on a CPU that computes bf16 natively, also ptbr's default (bf16 autocast) against the Trainer's
     # fp32 default and its bf16=True; each ptbr run says the precision it resolved
     assert len(defaults) == (2 if cpu_has_native_bf16() else 0)
-    assert len(pretrain) == 4 + len(defaults) and len(compiled) == 2  # ptbr and ptbr --compile: two references each
+    # ptbr: three references (the Trainer, the plain loop, its own whole logits); ptbr --compile: two
+    assert len(pretrain) == 5 + len(defaults) and len(compiled) == 2
     for row in pretrain:
         ours = next(runs for name, runs in row["runs"].items() if name.startswith("ptbr"))
         assert {run["precision"] for run in ours} == {"bf16" if row in defaults else "fp32"}, row["name"]

@@ -37,9 +37,12 @@ def assert_same_training(a: dict, b: dict) -> None:
 
 @pytest.mark.slow
 def test_compiled_training_is_eager_training_and_resumes_bit_for_bit(tmp_path, capsys):
+    """--compile with the whole logits (--no-chunked-loss): the forward pass and the loss compiled
+    together."""
     eager, once, twice = tmp_path / "eager", tmp_path / "once", tmp_path / "twice"
-    train(eager, "--max-steps", "6", "--save-every", "3", "--precision", "fp32")
-    made = compiled_train(once, "--max-steps", "6", "--save-every", "3")
+    whole = ("--max-steps", "6", "--save-every", "3", "--no-chunked-loss")
+    train(eager, *whole, "--precision", "fp32")
+    made = compiled_train(once, *whole)
     # the step really ran compiled: one graph (forward and loss, its backward with it), no break
     assert made == {"graphs": 1, "breaks": {}}
     assert not torch.are_deterministic_algorithms_enabled()  # the mode was the step's only
@@ -51,10 +54,10 @@ def test_compiled_training_is_eager_training_and_resumes_bit_for_bit(tmp_path, c
     assert_same_training(weights(once / "final"), weights(eager / "final"))
 
     # a compiled run that died after step 3 resumes to the uninterrupted compiled run, bit for bit
-    compiled_train(twice, "--max-steps", "6", "--save-every", "3")
+    compiled_train(twice, *whole)
     shutil.rmtree(twice / "checkpoints" / "step_000006")
     shutil.rmtree(twice / "final")
-    compiled_train(twice, "--max-steps", "6", "--save-every", "3")
+    compiled_train(twice, *whole)
     a, b = weights(once / "final"), weights(twice / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
     assert [r["loss"] for r in metrics(twice)] == [r["loss"] for r in metrics(once)]

@@ -66,7 +66,6 @@ def test_a_16_bit_trained_output_layer_takes_chunks_of_at_least_twice_its_hidden
     assert chunked.chunk_size(weight, torch.bfloat16, "cpu") == 1280
     assert chunked.chunk_size(weight, torch.float32, "cpu") == 262
     assert chunked.chunk_size(weight.detach(), torch.bfloat16, "cpu") == 262  # frozen
-    assert not memory.chunks_the_loss(1280, 32000, "cpu", 640) and memory.chunks_the_loss(1281, 32000, "cpu", 640)
 
 
 def test_the_loss_takes_its_device_s_chunk(monkeypatch):
@@ -263,8 +262,9 @@ def test_gradscaler_skips_the_same_overflowing_steps_with_the_chunked_loss(monke
 
 
 def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(monkeypatch):
-    """The step decides whether to chunk, and the loss takes its chunks, by one rule: 50-token chunks
-    in fp32 (and for a frozen output layer), 2 x 128 = 256 tokens for `tiny` trained in bf16."""
+    """The step and the loss take their chunks by one rule: 50-token chunks in fp32 (and for a
+    frozen output layer), 2 x 128 = 256 tokens for `tiny` trained in bf16. A micro-batch of fewer
+    tokens than one chunk goes through the chunked loss too, as one chunk."""
     from ptbr.backends.torch.device import resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -281,11 +281,12 @@ def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(
         step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
                          chunked_loss=True)
         assert step.loss_chunk() == expected
-        windows = np.random.default_rng(0).integers(0, 300, size=(expected // 32 + 1, 33))
-        batch = {k: v.copy() for k, v in windows_to_batch(windows).items()}
-        chunks.clear()
-        step.train_step([batch], 1e-4)
-        assert chunks == [expected]  # more tokens than one chunk: chunked, by the step's chunk
+        for rows in (expected // 32 + 1, 1):  # more tokens than one chunk, then 32 tokens: one chunk
+            windows = np.random.default_rng(0).integers(0, 300, size=(rows, 33))
+            batch = {k: v.copy() for k, v in windows_to_batch(windows).items()}
+            chunks.clear()
+            step.train_step([batch], 1e-4)
+            assert chunks == [expected]  # by the step's chunk
 
 
 def test_the_log_softmax_out_of_place_is_the_in_place_one(monkeypatch, seven_tokens_a_chunk):

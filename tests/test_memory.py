@@ -153,6 +153,9 @@ def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batc
     pytest.param(SMALL, 4096, 8, 64, "fp32", False, 511, 0.01, id="one-chunk-and-one-token-fp32"),
     pytest.param(SMALL, 4096, 8, 64, "bf16", False, 300, 0.01, id="two-chunks-bf16"),
     pytest.param(SMALL, 4096, 8, 64, "bf16", False, None, 0.01, id="chunks-of-twice-the-hidden-size-bf16"),
+    # fewer tokens than one chunk: one chunk of them all
+    pytest.param(SMALL, 4096, 8, 64, "fp32", False, 1000, 0.01, id="one-chunk-of-fewer-tokens-fp32"),
+    pytest.param(SMALL, 4096, 8, 64, "bf16", False, 1000, 0.01, id="one-chunk-of-fewer-tokens-bf16"),
     # gradients dominate, and the embedding's gradient is added in place to the output layer's
     pytest.param(SMALL, VOCAB, 1, 16, "fp32", False, 8, 0.01, id="end-of-backward"),
     pytest.param(WIDE_MLP, 64, 16, 64, "bf16", True, 100, 0.01, id="recomputed-layer-bf16"),
@@ -169,22 +172,25 @@ def test_predicted_peak_of_the_chunked_loss_is_the_allocated_peak(monkeypatch, p
     monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * vocab * (chunk or 1))  # chunks of `chunk` tokens
     if chunk:  # in bf16 too; None: 2 x hidden tokens (bf16's chunks of a trained output layer)
         monkeypatch.setattr(memory, "CHUNK_TOKENS_PER_HIDDEN", 0)
-    assert memory.chunks_the_loss(batch * seq, vocab)
     predicted, measured = _predicted_and_measured(preset, vocab, batch, seq, precision, checkpointing, True)
     assert predicted == pytest.approx(measured, rel=tolerance), (predicted / measured)
     plain, _ = _predicted_and_measured(preset, vocab, batch, seq, precision, checkpointing, False, measure=False)
     assert predicted <= plain
 
 
-def test_logits_of_one_chunk_or_less_are_not_chunked():
-    """Nothing to save there, and F.cross_entropy is faster: the estimate is the plain one."""
-    from ptbr.memory import chunk_tokens, chunks_the_loss
+def test_logits_of_one_chunk_or_less_take_one_chunk():
+    """`tiny` at batch 8 x 256 and a 2,048-token vocabulary: its 16 MiB of fp32 logits are one
+    chunk (4,096 tokens), worked on in place instead of F.cross_entropy's three such tensors."""
+    from ptbr.memory import MIB, chunk_tokens
 
     arch = Architecture.from_preset(PRESETS["tiny"], 2048)
-    assert chunk_tokens(2048) == 4096 and not chunks_the_loss(8 * 256, 2048) and chunks_the_loss(4097, 2048)
-    assert estimate_training_memory(arch, 8, 256, "fp32", chunked_loss=True) == estimate_training_memory(arch, 8, 256)
-    assert estimate_training_memory(arch, 8, 1024, "fp32", chunked_loss=True).total < \
-        estimate_training_memory(arch, 8, 1024).total
+    assert chunk_tokens(2048) == 4096
+    chunked = estimate_training_memory(arch, 8, 256, "fp32", chunked_loss=True)
+    whole = estimate_training_memory(arch, 8, 256, "fp32")
+    # the logits (16 MiB); the hidden states, their gradient, one (chunk x hidden) product and the
+    # output layer's gradient (1 MiB each)
+    assert (whole.logits, chunked.logits) == (48 * MIB, 16 * MIB + 4 * MIB)
+    assert chunked.total < whole.total
 
 
 @pytest.mark.parametrize("vocab, precision, checkpointing, chunked", [

@@ -128,8 +128,8 @@ class TorchBackend:
 
     def describe_loss(self, step: TorchStep, tokens: int) -> str | None:
         """The start-up line on --chunked-loss (ptbr/backends/torch/loss.py): the chunk size, and
-        whether the run's largest micro-batch (`tokens` tokens) is chunked. None when the run
-        asked for the whole logits."""
+        whether the run's largest micro-batch (`tokens` tokens) takes more than one chunk. None when
+        the run asked for the whole logits."""
         if not step.chunked_loss:
             return None
         if step.head is None:
@@ -137,7 +137,7 @@ class TorchBackend:
         chunk = step.loss_chunk()
         line = (f"chunked loss: {chunk} tokens per chunk at vocabulary {step.head.out_features:,}; "
                 f"micro-batches of {tokens} ")
-        return line + ("tokens are chunked" if tokens > chunk else "tokens are not (their logits fit one chunk)")
+        return line + ("tokens are chunked" if tokens > chunk else "tokens take one chunk")
 
     def write_adapter(self, adapted, directory: Path) -> None:
         """PEFT's adapter_model.safetensors and adapter_config.json."""

@@ -14,7 +14,9 @@ in the same precision (autocast's 16-bit type, or fp32), so nothing is recompute
 logits are one fp32 buffer worked on in place: log-softmax, then exp, then minus one at the
 targets (two passes over it; F.cross_entropy and its backward write three new tensors of the whole
 logits' size: the log-softmax, the gradient of its output and the gradient of the logits). On a
-CPU the step is as fast or faster, because the logits stay in cache (README, "Performance"). Chunks of 32 MiB (262 tokens at a 32k vocabulary) made an H200's steps
+CPU the step is as fast or faster, because the logits stay in cache (README, "Performance"); logits
+that fit one chunk are one chunk, which is still faster than F.cross_entropy there (`tiny` at a
+2,048-token vocabulary). Chunks of 32 MiB (262 tokens at a 32k vocabulary) made an H200's steps
 about 20% slower than the whole logits (many small kernels, and the fp32 (vocab x hidden) weight
 gradient added up once per chunk), so CUDA takes 256 MiB chunks: 8% slower than the whole logits
 there, measured before the in-place passes. Where that weight gradient is summed from 16-bit

@@ -50,8 +50,8 @@ class TorchStep:
         # FSDP: whether `exported` holds the current weights, known alike on every rank (saving and
         # gathering are collectives: a rank deciding alone would leave the others waiting)
         self.gathered = False
-        # --chunked-loss: the logits a chunk of tokens at a time (ptbr/backends/torch/loss.py) where
-        # the whole would be larger than one chunk; None: the whole logits, through the output layer
+        # --chunked-loss: the loss fused with the output layer, a chunk of tokens' logits at a time
+        # (ptbr/backends/torch/loss.py; one chunk where they fit one); head None: the whole logits
         self.chunked_loss = chunked_loss
         self.head, self.whole_logits_why = None, None
         self._loss_chunk = None  # its tokens per chunk (loss.chunk_size, as the loss takes them): fixed for the run
@@ -73,16 +73,19 @@ class TorchStep:
             self.padding_mask_why = padding_mask_needed(model, placement.autocast,
                                                         half=placement.precision in ("fp16", "bf16"))
             self.keeps_padding_mask = self.padding_mask_why is not None
-        # --compile: training steps run the forward pass (and the whole logits' loss) compiled;
-        # evaluation stays eager (no_grad would be a second compile, for a few batches)
+        # --compile: training steps run the decoder compiled (the chunked loss eager), or the forward
+        # pass and the whole logits' loss compiled together; evaluation stays eager (no_grad would be
+        # a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext
         if compile:
             from ptbr.backends.torch.compiled import compile_loss, deterministic_kernels
 
             self._kernels = deterministic_kernels
-            self._compiled_whole = compile_loss(self._whole_loss_sum)
-            self._compiled_hidden = compile_loss(self._decoder_hidden_states) if self.head is not None else None
-            self._train_loss = self._compiled_loss_sum
+            if self.head is None:
+                self._train_loss = compile_loss(self._whole_loss_sum)
+            else:
+                self._compiled_hidden = compile_loss(self._decoder_hidden_states)
+                self._train_loss = self._compiled_chunked_loss_sum
 
     def _to_device(self, batch: Batch) -> dict:
         """On a GPU the copy is queued from pinned memory, so that it runs while the GPU computes."""
@@ -98,12 +101,9 @@ class TorchStep:
         """Tokens per chunk of the chunked loss (None: the whole logits, always)."""
         return self._loss_chunk
 
-    def _chunks(self, batch: dict) -> bool:
-        return self.head is not None and batch["labels"].numel() > self._loss_chunk
-
     def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch (eager)."""
-        if not self._chunks(batch):
+        if self.head is None:
             return self._whole_loss_sum(module, batch)
         from ptbr.backends.torch.loss import hidden_states_of
 
@@ -131,12 +131,9 @@ class TorchStep:
         with self.placement.autocast():
             return module.get_decoder()(**_inputs(batch)).last_hidden_state
 
-    def _compiled_loss_sum(self, module, batch: dict):
-        """--compile: the decoder compiled and the chunked loss eager, or the forward pass and the
-        whole logits' loss compiled together."""
-        if self._chunks(batch):
-            return self._chunked_loss_sum(self._compiled_hidden(module, batch), self.head.weight, batch)
-        return self._compiled_whole(module, batch)
+    def _compiled_chunked_loss_sum(self, module, batch: dict):
+        """--compile with the chunked loss: the decoder compiled, the loss eager."""
+        return self._chunked_loss_sum(self._compiled_hidden(module, batch), self.head.weight, batch)
 
     def _sync_gradients(self, sync: bool):
         """DDP and FSDP reduce gradients across ranks on the last micro-batch of a step only."""

@@ -9,17 +9,18 @@
 Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead):
   pretrain  tokens/s of `ptbr train` against transformers' Trainer and a minimal PyTorch loop on
             the same LlamaForCausalLM, token windows, batch, sequence length, precision and AdamW
-            (fused), for tiny and 85m (and 400m on a GPU, with MFU); and from those same runs, the
-            time from the command to its first completed step.
+            (fused), for tiny and 85m (and 400m on a GPU, with MFU), and against ptbr's own
+            --no-chunked-loss; and from those same runs, the time from the command to its first
+            completed step.
   vocab32k  the same at a 32k vocabulary (random tokens; tiny, batch 8 x 256), where ptbr's chunked
-            loss applies: tokens/s and peak memory against the Trainer, the plain loop and ptbr's
+            loss makes several chunks: tokens/s and peak memory against the Trainer, the plain loop and ptbr's
             own --no-chunked-loss; and ptbr --compile against --compile --no-chunked-loss; on CPU
             also 85m (batch 8 x 256) in ptbr's default precision there (bf16 where the CPU has it)
             against the Trainer in that precision and ptbr's --no-chunked-loss.
   finetune  LoRA and QLoRA tokens/s and peak memory of `ptbr finetune` against transformers +
             PEFT's Trainer on the same random Mistral-shaped base and plain-text data.
   finetune32k  QLoRA the same with Mistral-7B's 32k-entry output layer, where ptbr's chunked loss
-            applies: also against ptbr's own --no-chunked-loss.
+            makes several chunks: also against ptbr's own --no-chunked-loss.
   startup   `ptbr --help` against `transformers --help`.
   data      MB/s of text to tokens: ptbr prepare (with an existing tokenizer) against the same
             documents through `tokenizers` directly.

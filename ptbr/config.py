@@ -148,7 +148,8 @@ class LoopSettings:
     chunked_loss: bool = setting(
         True, "Compute the cross-entropy and its gradient together with the output layer, a chunk of tokens at a time "
         "(32 MiB of fp32 logits; 256 MiB on a CUDA GPU), so that the whole logits never exist: the same loss, with "
-        "less memory and faster (torch backend; --no-chunked-loss: the whole logits and F.cross_entropy).")
+        "less memory and faster (torch backend). A trained output layer's micro-batches of fewer than 2 x hidden "
+        "tokens that fit one chunk keep the whole logits, which take less memory there.")
     auto_fit: bool = setting(
         False, "Before training, run a real step on the longest batch and halve batch_size (doubling grad_accum) "
         "until it fits; an out-of-memory later resumes from the last checkpoint the same way.")
@@ -233,8 +234,9 @@ class PretrainConfig(LoopSettings):
     model_size: str = setting("tiny", "Model preset: tiny, 85m, 400m or 800m.")
     seq_len: int = setting(256, "Tokens per training sequence.")
     compile: bool = setting(
-        False, "Compile the model's forward pass and the loss with torch.compile (torch backend, one process, CPU "
-        "or CUDA; needs a C/C++ compiler): faster steps after a compile of tens of seconds at the first step.")
+        False, "Compile the model's forward pass with torch.compile (with the loss where it takes the whole logits; "
+        "torch backend, one process, CPU or CUDA; needs a C/C++ compiler): faster steps after a compile of tens of "
+        "seconds at the first step.")
     optional_paths: ClassVar[tuple[str, ...]] = ("data", "tokenizer")
     command: ClassVar[str] = "train"
 

@@ -1,4 +1,5 @@
-"""`ptbr train --compile`: the forward pass and the loss through torch.compile. The compiled step
+"""`ptbr train --compile`: the forward pass through torch.compile (with the whole logits' loss, or
+the decoder alone with the chunked loss eager). The compiled step
 trains the model the eager one does (to float rounding), resumes bit for bit, accumulates like
 one big batch, and is refused in one line where it cannot run."""
 

@@ -263,8 +263,9 @@ def test_gradscaler_skips_the_same_overflowing_steps_with_the_chunked_loss(monke
 
 def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(monkeypatch):
     """The step and the loss take their chunks by one rule: 50-token chunks in fp32 (and for a
-    frozen output layer), 2 x 128 = 256 tokens for `tiny` trained in bf16. A micro-batch of fewer
-    tokens than one chunk goes through the chunked loss too, as one chunk."""
+    frozen output layer), 2 x 128 = 256 tokens for `tiny` trained in bf16. A micro-batch of 32
+    tokens is one chunk for a frozen output layer; a trained one's takes the whole logits (fewer
+    tokens than one chunk and than twice the hidden size)."""
     from ptbr.backends.torch.device import resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -274,19 +275,50 @@ def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(
     monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 50)
     chunks, apply = [], chunked._ChunkedLinearCrossEntropy.apply
     monkeypatch.setattr(chunked._ChunkedLinearCrossEntropy, "apply", lambda *a: chunks.append(a[4]) or apply(*a))
-    for precision, frozen, expected in (("fp32", False, 50), ("bf16", False, 256), ("bf16", True, 50)):
+    # (precision, frozen, tokens per chunk, fewest tokens chunked: more than one chunk, or 2 x hidden)
+    for precision, frozen, expected, fewest in (("fp32", False, 50, 51), ("bf16", False, 256, 256),
+                                                ("bf16", True, 50, 1)):
         model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
         model.get_output_embeddings().weight.requires_grad_(not frozen)
         placement = resolve_precision(torch.device("cpu"), precision)
         step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
                          chunked_loss=True)
         assert step.loss_chunk() == expected
-        for rows in (expected // 32 + 1, 1):  # more tokens than one chunk, then 32 tokens: one chunk
+        assert step.chunked_from() == fewest
+        for rows, taken in ((expected // 32 + 1, [expected]), (1, [expected] if frozen else [])):
             windows = np.random.default_rng(0).integers(0, 300, size=(rows, 33))
             batch = {k: v.copy() for k, v in windows_to_batch(windows).items()}
             chunks.clear()
             step.train_step([batch], 1e-4)
-            assert chunks == [expected]  # by the step's chunk
+            assert chunks == taken  # by the step's chunk, or the whole logits
+
+
+def test_a_trained_output_layer_takes_one_chunk_from_twice_its_hidden_size(monkeypatch):
+    """Logits that fit one chunk (32 MiB: 27,962 tokens at a 300-token vocabulary) go through the
+    chunked loss as one chunk from 2 x 128 = 256 tokens of `tiny` on; 224 tokens take the whole
+    logits, and the memory model plans each micro-batch the way the step runs it."""
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.config import PRESETS, LoopSettings
+    from ptbr.data.batch import windows_to_batch
+    from ptbr.memory import Architecture, estimate_training_memory
+
+    chunks, apply = [], chunked._ChunkedLinearCrossEntropy.apply
+    monkeypatch.setattr(chunked._ChunkedLinearCrossEntropy, "apply", lambda *a: chunks.append(a[4]) or apply(*a))
+    model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
+    placement = resolve_precision(torch.device("cpu"), "fp32")
+    step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
+                     chunked_loss=True)
+    assert (step.loss_chunk(), step.chunked_from()) == (27962, 256)
+    arch = Architecture.from_preset(PRESETS["tiny"], 300)
+    for rows, taken in ((8, [27962]), (7, [])):
+        windows = np.random.default_rng(0).integers(0, 300, size=(rows, 33))
+        chunks.clear()
+        step.train_step([{k: v.copy() for k, v in windows_to_batch(windows).items()}], 1e-4)
+        assert chunks == taken
+        planned = [estimate_training_memory(arch, rows, 32, "fp32", chunked_loss=chunked) for chunked in (True, False)]
+        assert (planned[0] != planned[1]) == bool(taken)
 
 
 def test_the_log_softmax_out_of_place_is_the_in_place_one(monkeypatch, seven_tokens_a_chunk):
@@ -299,3 +331,16 @@ def test_the_log_softmax_out_of_place_is_the_in_place_one(monkeypatch, seven_tok
     assert in_place[0] == apart[0]
     assert torch.equal(in_place[1], apart[1]) and torch.equal(in_place[2], apart[2])
     assert memory.IN_PLACE_DEVICES == ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("batch, line", [
+    (8, "chunked loss: 4096 tokens per chunk at vocabulary 2,048; micro-batches of 256 tokens take one chunk"),
+    (4, "chunked loss: 4096 tokens per chunk at vocabulary 2,048; micro-batches of 128 tokens take the whole "
+        "logits (fewer than 256: below that the output layer's gradient"),
+])
+def test_the_start_up_log_says_what_the_micro_batches_take(tmp_path, batch, line):
+    """`tiny` (hidden 128) on the bundled sample: 8 x 32 tokens are one chunk, 4 x 32 the whole logits."""
+    from tests.test_training import train
+
+    train(tmp_path / "run", "--batch-size", str(batch), "--max-steps", "1", "--precision", "fp32")
+    assert line in (tmp_path / "run" / "train.log").read_text()

@@ -139,7 +139,7 @@ WIDE_MLP = ModelPreset("wide-mlp", 64, 3, 4, 2, 1024, 128, learning_rate=1e-3)
     pytest.param(WIDE_MLP, 64, 16, 64, "bf16", True, id="recomputed-layer-bf16"),
 ])
 def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batch, seq, precision, checkpointing):
-    """The whole logits (--no-chunked-loss, and --compile)."""
+    """The whole logits (--no-chunked-loss)."""
     predicted, measured = _predicted_and_measured(preset, vocab, batch, seq, precision, checkpointing, False)
     assert predicted == pytest.approx(measured, rel=0.01)
 
@@ -156,6 +156,8 @@ def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batc
     # fewer tokens than one chunk: one chunk of them all
     pytest.param(SMALL, 4096, 8, 64, "fp32", False, 1000, 0.01, id="one-chunk-of-fewer-tokens-fp32"),
     pytest.param(SMALL, 4096, 8, 64, "bf16", False, 1000, 0.01, id="one-chunk-of-fewer-tokens-bf16"),
+    # fewer than 2 x hidden tokens and than one chunk: the whole logits, in the run and the plan
+    pytest.param(SMALL, 4096, 1, 64, "bf16", False, None, 0.01, id="under-twice-the-hidden-size-bf16"),
     # gradients dominate, and the embedding's gradient is added in place to the output layer's
     pytest.param(SMALL, VOCAB, 1, 16, "fp32", False, 8, 0.01, id="end-of-backward"),
     pytest.param(WIDE_MLP, 64, 16, 64, "bf16", True, 100, 0.01, id="recomputed-layer-bf16"),
@@ -191,6 +193,21 @@ def test_logits_of_one_chunk_or_less_take_one_chunk():
     # output layer's gradient (1 MiB each)
     assert (whole.logits, chunked.logits) == (48 * MIB, 16 * MIB + 4 * MIB)
     assert chunked.total < whole.total
+
+
+def test_a_micro_batch_under_twice_the_hidden_size_keeps_the_whole_logits():
+    """`85m` (hidden 640) in bf16 at a 32k vocabulary, one window of 256 tokens: the chunked loss
+    would make the output layer's fp32 gradient (78 MiB) and its bf16 products in the forward pass,
+    more than the whole logits it saves; the run and the plan keep the whole logits there (from
+    2 x 640 tokens on it takes them, in 1,280-token chunks: less than the whole)."""
+    from ptbr.memory import chunked_loss_from
+
+    arch = Architecture.from_preset(PRESETS["85m"], 32000)
+    assert chunked_loss_from(32000, 640, "cpu", "bf16") == 1280 and chunked_loss_from(32000, 640, "cpu", "fp32") == 263
+    whole = estimate_training_memory(arch, 1, 256, "bf16", grad_accum=2)
+    assert estimate_training_memory(arch, 1, 256, "bf16", chunked_loss=True, grad_accum=2) == whole
+    assert estimate_training_memory(arch, 1, 1280, "bf16", chunked_loss=True).total < \
+        estimate_training_memory(arch, 1, 1280, "bf16").total
 
 
 @pytest.mark.parametrize("vocab, precision, checkpointing, chunked", [

@@ -134,16 +134,19 @@ def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path, chunked):
     """40 examples, 2 x batch 3 against 1 x batch 6: the epoch's last global micro-batch has 4
     examples (3 on rank 0, 1 on rank 1); dropout 0 so that both runs draw nothing at random.
     chunked: the two ranks' loss in chunks of 10 tokens (the frozen output layer's input taken
-    inside DDP's forward pass), against one process with the whole logits."""
+    inside DDP's forward pass); else their whole logits (--no-chunked-loss); against one process
+    with the whole logits."""
     common = ["--base", str(toy.base), "--data", str(toy.data), "--quant", "none", "--lora-r", "8",
               "--lora-dropout", "0", "--max-steps", "7", "--eval-every", "7", "--learning-rate", "1e-3",
               "--device", "cpu"]
     vocab = json.loads((toy.base / "config.json").read_text())["vocab_size"]
     two = torchrun("finetune", "--output", str(tmp_path / "two"), "--batch-size", "3", *common,
+                   *([] if chunked else ["--no-chunked-loss"]),
                    env=recording_threads_at_exit(tmp_path, chunks_of(tmp_path, 10, vocab) if chunked else None))
     assert two.returncode == 0, two.stderr[-8000:]  # a native abort: every thread's Python stack (faulthandler)
     assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}  # see test_accelerate_launch_is_a_launcher_too
     assert ("chunked loss: 10 tokens per chunk" in two.stderr) == chunked
+    assert ("chunked loss:" in two.stderr) == chunked
     one = ptbr("finetune", "--output", str(tmp_path / "one"), "--batch-size", "6", *common, "--no-chunked-loss")
     assert one.returncode == 0, one.stderr
     assert max_difference(tmp_path / "two" / "adapters" / "adapter_model.safetensors",

@@ -128,16 +128,21 @@ class TorchBackend:
 
     def describe_loss(self, step: TorchStep, tokens: int) -> str | None:
         """The start-up line on --chunked-loss (ptbr/backends/torch/loss.py): the chunk size, and
-        whether the run's largest micro-batch (`tokens` tokens) takes more than one chunk. None when
-        the run asked for the whole logits."""
+        whether the run's largest micro-batch (`tokens` tokens) is chunked, one chunk, or too small
+        for the chunked loss to save memory. None when the run asked for the whole logits."""
         if not step.chunked_loss:
             return None
         if step.head is None:
             return f"chunked loss: not with this model ({step.whole_logits_why}): the whole logits"
-        chunk = step.loss_chunk()
+        chunk, fewest = step.loss_chunk(), step.chunked_from()
         line = (f"chunked loss: {chunk} tokens per chunk at vocabulary {step.head.out_features:,}; "
-                f"micro-batches of {tokens} ")
-        return line + ("tokens are chunked" if tokens > chunk else "tokens take one chunk")
+                f"micro-batches of {tokens} tokens ")
+        if tokens > chunk:
+            return line + "are chunked"
+        if tokens >= fewest:
+            return line + "take one chunk"
+        return line + (f"take the whole logits (fewer than {fewest}: below that the output layer's gradient, "
+                       "which the chunked loss makes in the forward pass, outweighs the logits it saves)")
 
     def write_adapter(self, adapted, directory: Path) -> None:
         """PEFT's adapter_model.safetensors and adapter_config.json."""

@@ -1,6 +1,6 @@
-"""`ptbr train --compile`: the forward pass and the loss of a training step through torch.compile
-(TorchInductor), checked first for what it needs, so that a missing piece is a one-line error
-before the run starts, not a compiler traceback at the first step.
+"""`ptbr train --compile`: the forward pass of a training step (and its loss where it takes the
+whole logits) through torch.compile (TorchInductor), checked first for what it needs, so that a
+missing piece is a one-line error before the run starts, not a compiler traceback at the first step.
 
 Inductor turns the model's small kernels (RMSNorm, rotary embeddings, SiLU x up, the residual adds,
 log-softmax and its backward) into a few fused ones and leaves the matrix multiplies and attention

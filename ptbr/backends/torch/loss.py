@@ -16,7 +16,8 @@ targets (two passes over it; F.cross_entropy and its backward write three new te
 logits' size: the log-softmax, the gradient of its output and the gradient of the logits). On a
 CPU the step is as fast or faster, because the logits stay in cache (README, "Performance"); logits
 that fit one chunk are one chunk, which is still faster than F.cross_entropy there (`tiny` at a
-2,048-token vocabulary). Chunks of 32 MiB (262 tokens at a 32k vocabulary) made an H200's steps
+2,048-token vocabulary), where the micro-batch has enough tokens for the chunked loss to save
+memory (ptbr.memory.chunked_loss_from; fewer take the whole logits). Chunks of 32 MiB (262 tokens at a 32k vocabulary) made an H200's steps
 about 20% slower than the whole logits (many small kernels, and the fp32 (vocab x hidden) weight
 gradient added up once per chunk), so CUDA takes 256 MiB chunks: 8% slower than the whole logits
 there, measured before the in-place passes. Where that weight gradient is summed from 16-bit
@@ -35,7 +36,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ptbr.data.batch import IGNORE_INDEX
-from ptbr.memory import IN_PLACE_DEVICES, chunk_tokens, gradient_summed_hidden
+from ptbr.memory import IN_PLACE_DEVICES, chunk_tokens, chunked_loss_from, gradient_summed_hidden
 
 
 def chunkable_head(model, autocast=nullcontext) -> tuple[torch.nn.Linear | None, str | None]:
@@ -105,9 +106,19 @@ def chunk_size(weight, dtype, device_type: str) -> int:
     """Tokens per chunk for the output layer `weight` (vocab, hidden) computing in `dtype` on
     `device_type` (ptbr.memory.chunk_tokens: larger where a trained layer's gradient is summed
     from 16-bit products)."""
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     vocab, hidden = weight.shape
-    return chunk_tokens(vocab, device_type, gradient_summed_hidden(hidden, precision, weight.requires_grad))
+    return chunk_tokens(vocab, device_type, gradient_summed_hidden(hidden, _precision(dtype), weight.requires_grad))
+
+
+def fewest_chunked_tokens(weight, dtype, device_type: str) -> int:
+    """The fewest tokens of a micro-batch that the chunked loss takes for the output layer `weight`
+    (ptbr.memory.chunked_loss_from); fewer go through F.cross_entropy whole."""
+    vocab, hidden = weight.shape
+    return chunked_loss_from(vocab, hidden, device_type, _precision(dtype), weight.requires_grad)
+
+
+def _precision(dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
 def chunked_cross_entropy(hidden, weight, labels, dtype=None):

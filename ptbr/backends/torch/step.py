@@ -51,17 +51,21 @@ class TorchStep:
         # gathering are collectives: a rank deciding alone would leave the others waiting)
         self.gathered = False
         # --chunked-loss: the loss fused with the output layer, a chunk of tokens' logits at a time
-        # (ptbr/backends/torch/loss.py; one chunk where they fit one); head None: the whole logits
+        # (ptbr/backends/torch/loss.py), for micro-batches of at least `_chunked_from` tokens (one
+        # chunk where their logits fit one); head None: the whole logits, always
         self.chunked_loss = chunked_loss
         self.head, self.whole_logits_why = None, None
-        self._loss_chunk = None  # its tokens per chunk (loss.chunk_size, as the loss takes them): fixed for the run
+        # its tokens per chunk (loss.chunk_size, as the loss takes them) and the fewest tokens it
+        # takes (loss.fewest_chunked_tokens): fixed for the run
+        self._loss_chunk = self._chunked_from = None
         if chunked_loss:
-            from ptbr.backends.torch.loss import chunk_size, chunkable_head
+            from ptbr.backends.torch.loss import chunk_size, chunkable_head, fewest_chunked_tokens
 
             self.head, self.whole_logits_why = chunkable_head(model, placement.autocast)
             if self.head is not None:
-                self._loss_chunk = chunk_size(self.head.weight, placement.autocast_dtype or self.head.weight.dtype,
-                                              placement.device.type)
+                dtype = placement.autocast_dtype or self.head.weight.dtype
+                self._loss_chunk = chunk_size(self.head.weight, dtype, placement.device.type)
+                self._chunked_from = fewest_chunked_tokens(self.head.weight, dtype, placement.device.type)
             if sharded:  # its probe's forward pass left FSDP's root unit gathered (loading a state then fails)
                 model.reshard()
         # fine-tuning's right-padded batches go without their attention mask where the model is a
@@ -81,11 +85,9 @@ class TorchStep:
             from ptbr.backends.torch.compiled import compile_loss, deterministic_kernels
 
             self._kernels = deterministic_kernels
-            if self.head is None:
-                self._train_loss = compile_loss(self._whole_loss_sum)
-            else:
-                self._compiled_hidden = compile_loss(self._decoder_hidden_states)
-                self._train_loss = self._compiled_chunked_loss_sum
+            self._compiled_whole = compile_loss(self._whole_loss_sum)
+            self._compiled_hidden = compile_loss(self._decoder_hidden_states) if self.head is not None else None
+            self._train_loss = self._compiled_loss_sum
 
     def _to_device(self, batch: Batch) -> dict:
         """On a GPU the copy is queued from pinned memory, so that it runs while the GPU computes."""
@@ -101,9 +103,17 @@ class TorchStep:
         """Tokens per chunk of the chunked loss (None: the whole logits, always)."""
         return self._loss_chunk
 
+    def chunked_from(self) -> int | None:
+        """The fewest tokens of a micro-batch that the chunked loss takes (None: the whole logits,
+        always)."""
+        return self._chunked_from
+
+    def _chunks(self, batch: dict) -> bool:
+        return self.head is not None and batch["labels"].numel() >= self._chunked_from
+
     def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch (eager)."""
-        if self.head is None:
+        if not self._chunks(batch):
             return self._whole_loss_sum(module, batch)
         from ptbr.backends.torch.loss import hidden_states_of
 
@@ -131,9 +141,12 @@ class TorchStep:
         with self.placement.autocast():
             return module.get_decoder()(**_inputs(batch)).last_hidden_state
 
-    def _compiled_chunked_loss_sum(self, module, batch: dict):
-        """--compile with the chunked loss: the decoder compiled, the loss eager."""
-        return self._chunked_loss_sum(self._compiled_hidden(module, batch), self.head.weight, batch)
+    def _compiled_loss_sum(self, module, batch: dict):
+        """--compile: the decoder compiled and the chunked loss eager, or the forward pass and the
+        whole logits' loss compiled together."""
+        if self._chunks(batch):
+            return self._chunked_loss_sum(self._compiled_hidden(module, batch), self.head.weight, batch)
+        return self._compiled_whole(module, batch)
 
     def _sync_gradients(self, sync: bool):
         """DDP and FSDP reduce gradients across ranks on the last micro-batch of a step only."""

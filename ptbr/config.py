@@ -148,8 +148,8 @@ class LoopSettings:
     chunked_loss: bool = setting(
         True, "Compute the cross-entropy and its gradient together with the output layer, a chunk of tokens at a time "
         "(32 MiB of fp32 logits; 256 MiB on a CUDA GPU), so that the whole logits never exist: the same loss, with "
-        "less memory and faster (torch backend). A trained output layer's micro-batches of fewer than 2 x hidden "
-        "tokens that fit one chunk keep the whole logits, which take less memory there.")
+        "less memory and, on CPU, faster (torch backend). Where the output layer is trained in bf16/fp16, "
+        "micro-batches of fewer tokens than its hidden size keep the whole logits, which take less memory there.")
     auto_fit: bool = setting(
         False, "Before training, run a real step on the longest batch and halve batch_size (doubling grad_accum) "
         "until it fits; an out-of-memory later resumes from the last checkpoint the same way.")

@@ -264,8 +264,8 @@ def test_gradscaler_skips_the_same_overflowing_steps_with_the_chunked_loss(monke
 def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(monkeypatch):
     """The step and the loss take their chunks by one rule: 50-token chunks in fp32 (and for a
     frozen output layer), 2 x 128 = 256 tokens for `tiny` trained in bf16. A micro-batch of 32
-    tokens is one chunk for a frozen output layer; a trained one's takes the whole logits (fewer
-    tokens than one chunk and than twice the hidden size)."""
+    tokens is one chunk in fp32 and for a frozen output layer; trained in bf16 it takes the whole
+    logits (fewer tokens than the hidden size)."""
     from ptbr.backends.torch.device import resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -275,8 +275,8 @@ def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(
     monkeypatch.setattr(memory, "CHUNK_BYTES", 4 * 300 * 50)
     chunks, apply = [], chunked._ChunkedLinearCrossEntropy.apply
     monkeypatch.setattr(chunked._ChunkedLinearCrossEntropy, "apply", lambda *a: chunks.append(a[4]) or apply(*a))
-    # (precision, frozen, tokens per chunk, fewest tokens chunked: more than one chunk, or 2 x hidden)
-    for precision, frozen, expected, fewest in (("fp32", False, 50, 51), ("bf16", False, 256, 256),
+    # (precision, frozen, tokens per chunk, fewest tokens chunked: the hidden size in bf16, else any)
+    for precision, frozen, expected, fewest in (("fp32", False, 50, 1), ("bf16", False, 256, 128),
                                                 ("bf16", True, 50, 1)):
         model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
         model.get_output_embeddings().weight.requires_grad_(not frozen)
@@ -285,7 +285,7 @@ def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(
                          chunked_loss=True)
         assert step.loss_chunk() == expected
         assert step.chunked_from() == fewest
-        for rows, taken in ((expected // 32 + 1, [expected]), (1, [expected] if frozen else [])):
+        for rows, taken in ((expected // 32 + 1, [expected]), (1, [expected] if fewest == 1 else [])):
             windows = np.random.default_rng(0).integers(0, 300, size=(rows, 33))
             batch = {k: v.copy() for k, v in windows_to_batch(windows).items()}
             chunks.clear()
@@ -293,10 +293,10 @@ def test_the_step_chunks_a_16_bit_trained_output_layer_by_twice_its_hidden_size(
             assert chunks == taken  # by the step's chunk, or the whole logits
 
 
-def test_a_trained_output_layer_takes_one_chunk_from_twice_its_hidden_size(monkeypatch):
+def test_a_16_bit_trained_output_layer_takes_one_chunk_from_its_hidden_size(monkeypatch):
     """Logits that fit one chunk (32 MiB: 27,962 tokens at a 300-token vocabulary) go through the
-    chunked loss as one chunk from 2 x 128 = 256 tokens of `tiny` on; 224 tokens take the whole
-    logits, and the memory model plans each micro-batch the way the step runs it."""
+    chunked loss as one chunk from 128 tokens of `tiny` in bf16 on (its hidden size); 96 tokens
+    take the whole logits; and the memory model plans each micro-batch the way the step runs it."""
     from ptbr.backends.torch.device import resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -307,17 +307,17 @@ def test_a_trained_output_layer_takes_one_chunk_from_twice_its_hidden_size(monke
     chunks, apply = [], chunked._ChunkedLinearCrossEntropy.apply
     monkeypatch.setattr(chunked._ChunkedLinearCrossEntropy, "apply", lambda *a: chunks.append(a[4]) or apply(*a))
     model = build_model(PRESETS["tiny"], 300, eos_id=0, seed=0)
-    placement = resolve_precision(torch.device("cpu"), "fp32")
+    placement = resolve_precision(torch.device("cpu"), "bf16")
     step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
                      chunked_loss=True)
-    assert (step.loss_chunk(), step.chunked_from()) == (27962, 256)
+    assert (step.loss_chunk(), step.chunked_from()) == (27962, 128)
     arch = Architecture.from_preset(PRESETS["tiny"], 300)
-    for rows, taken in ((8, [27962]), (7, [])):
+    for rows, taken in ((4, [27962]), (3, [])):
         windows = np.random.default_rng(0).integers(0, 300, size=(rows, 33))
         chunks.clear()
         step.train_step([{k: v.copy() for k, v in windows_to_batch(windows).items()}], 1e-4)
         assert chunks == taken
-        planned = [estimate_training_memory(arch, rows, 32, "fp32", chunked_loss=chunked) for chunked in (True, False)]
+        planned = [estimate_training_memory(arch, rows, 32, "bf16", chunked_loss=chunked) for chunked in (True, False)]
         assert (planned[0] != planned[1]) == bool(taken)
 
 
@@ -333,14 +333,16 @@ def test_the_log_softmax_out_of_place_is_the_in_place_one(monkeypatch, seven_tok
     assert memory.IN_PLACE_DEVICES == ("cpu", "cuda")
 
 
-@pytest.mark.parametrize("batch, line", [
-    (8, "chunked loss: 4096 tokens per chunk at vocabulary 2,048; micro-batches of 256 tokens take one chunk"),
-    (4, "chunked loss: 4096 tokens per chunk at vocabulary 2,048; micro-batches of 128 tokens take the whole "
-        "logits (fewer than 256: below that the output layer's gradient"),
+@pytest.mark.parametrize("batch, precision, line", [
+    (2, "fp32", "chunked loss: 4096 tokens per chunk at vocabulary 2,048; micro-batches of 64 tokens take one chunk"),
+    (4, "bf16", "chunked loss: 4096 tokens per chunk at vocabulary 2,048; micro-batches of 128 tokens take one chunk"),
+    (2, "bf16", "chunked loss: 4096 tokens per chunk at vocabulary 2,048; micro-batches of 64 tokens take the whole "
+                "logits (fewer than 128: below that the output layer's gradient"),
 ])
-def test_the_start_up_log_says_what_the_micro_batches_take(tmp_path, batch, line):
-    """`tiny` (hidden 128) on the bundled sample: 8 x 32 tokens are one chunk, 4 x 32 the whole logits."""
+def test_the_start_up_log_says_what_the_micro_batches_take(tmp_path, batch, precision, line):
+    """`tiny` (hidden 128) on the bundled sample: 2 x 32 tokens are one chunk in fp32; in bf16 from
+    128 tokens on, fewer take the whole logits."""
     from tests.test_training import train
 
-    train(tmp_path / "run", "--batch-size", str(batch), "--max-steps", "1", "--precision", "fp32")
+    train(tmp_path / "run", "--batch-size", str(batch), "--max-steps", "1", "--precision", precision)
     assert line in (tmp_path / "run" / "train.log").read_text()

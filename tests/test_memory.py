@@ -156,8 +156,8 @@ def test_predicted_peak_is_the_allocated_peak_of_a_real_step(preset, vocab, batc
     # fewer tokens than one chunk: one chunk of them all
     pytest.param(SMALL, 4096, 8, 64, "fp32", False, 1000, 0.01, id="one-chunk-of-fewer-tokens-fp32"),
     pytest.param(SMALL, 4096, 8, 64, "bf16", False, 1000, 0.01, id="one-chunk-of-fewer-tokens-bf16"),
-    # fewer than 2 x hidden tokens and than one chunk: the whole logits, in the run and the plan
-    pytest.param(SMALL, 4096, 1, 64, "bf16", False, None, 0.01, id="under-twice-the-hidden-size-bf16"),
+    # bf16, fewer tokens than the hidden size: the whole logits, in the run and the plan
+    pytest.param(SMALL, 4096, 1, 32, "bf16", False, None, 0.01, id="under-the-hidden-size-bf16"),
     # gradients dominate, and the embedding's gradient is added in place to the output layer's
     pytest.param(SMALL, VOCAB, 1, 16, "fp32", False, 8, 0.01, id="end-of-backward"),
     pytest.param(WIDE_MLP, 64, 16, 64, "bf16", True, 100, 0.01, id="recomputed-layer-bf16"),
@@ -195,19 +195,23 @@ def test_logits_of_one_chunk_or_less_take_one_chunk():
     assert chunked.total < whole.total
 
 
-def test_a_micro_batch_under_twice_the_hidden_size_keeps_the_whole_logits():
+def test_a_16_bit_micro_batch_under_the_hidden_size_keeps_the_whole_logits():
     """`85m` (hidden 640) in bf16 at a 32k vocabulary, one window of 256 tokens: the chunked loss
     would make the output layer's fp32 gradient (78 MiB) and its bf16 products in the forward pass,
-    more than the whole logits it saves; the run and the plan keep the whole logits there (from
-    2 x 640 tokens on it takes them, in 1,280-token chunks: less than the whole)."""
-    from ptbr.memory import chunked_loss_from
+    more than the whole logits it saves; the run and the plan keep the whole logits there. From 640
+    tokens on it takes them: 4 MiB more at exactly the hidden size, 44 MiB less at 800 tokens,
+    150 MiB less at 1,280. In fp32, and for a frozen output layer, every micro-batch takes the
+    chunked loss."""
+    from ptbr.memory import MIB, chunked_loss_from
 
     arch = Architecture.from_preset(PRESETS["85m"], 32000)
-    assert chunked_loss_from(32000, 640, "cpu", "bf16") == 1280 and chunked_loss_from(32000, 640, "cpu", "fp32") == 263
+    assert chunked_loss_from(640, "bf16") == chunked_loss_from(640, "fp16") == 640
+    assert chunked_loss_from(640, "fp32") == chunked_loss_from(640, "bf16", trained=False) == 1
     whole = estimate_training_memory(arch, 1, 256, "bf16", grad_accum=2)
     assert estimate_training_memory(arch, 1, 256, "bf16", chunked_loss=True, grad_accum=2) == whole
-    assert estimate_training_memory(arch, 1, 1280, "bf16", chunked_loss=True).total < \
-        estimate_training_memory(arch, 1, 1280, "bf16").total
+    saved = [estimate_training_memory(arch, 1, tokens, "bf16").total
+             - estimate_training_memory(arch, 1, tokens, "bf16", chunked_loss=True).total for tokens in (640, 800, 1280)]
+    assert [round(s / MIB) for s in saved] == [-4, 44, 150]
 
 
 @pytest.mark.parametrize("vocab, precision, checkpointing, chunked", [

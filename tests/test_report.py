@@ -124,6 +124,7 @@ def test_a_run_records_the_memory_model_s_peak_for_its_settings(resumed_run):
     arch = Architecture.from_preset(PRESETS["tiny"], config["model"]["vocab_size"])
     expected = estimate_training_memory(arch, 4, 32, config["precision"], False, RUNTIME_BYTES["cpu"],
                                         chunked_loss=True).total  # the run's default loss
+    assert expected != estimate_training_memory(arch, 4, 32, config["precision"], False, RUNTIME_BYTES["cpu"]).total
     assert config["predicted_peak_bytes"] == expected
 
 

@@ -107,4 +107,5 @@ def _print_text(report: dict) -> None:
             print(f"           {precision:<9}  {g['weights']:7.2f}  {g['gradients']:5.2f}  {g['optimizer']:9.2f}  "
                   f"{g['activations']:11.2f}  {g['logits']:6.2f}  {g['total']:5.2f}")
         print("           torch rows as on a CUDA GPU (fp16: one without bf16, e.g. a T4); loss: its tensors over the "
-              "vocabulary, a chunk of 256 MiB of logits at a time (ptbr train's default; 32 MiB chunks on CPU)")
+              "vocabulary, a chunk of 256 MiB of logits at a time (ptbr train's default; 32 MiB chunks on CPU; 16-bit "
+              "micro-batches of fewer tokens than the hidden size: the whole logits)")

@@ -99,7 +99,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     if loss:
         log(loss)
     if settings.compile:
-        log("--compile: the first step compiles the forward pass (with the loss under --no-chunked-loss) "
+        log("--compile: the first step compiles the forward pass (with the loss where it takes the whole logits) "
             "with torch.compile (tens of seconds on a CPU; a later run of the same shapes reuses the compiled code)")
     state = start_state(step, resume)
 

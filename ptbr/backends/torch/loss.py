@@ -110,11 +110,10 @@ def chunk_size(weight, dtype, device_type: str) -> int:
     return chunk_tokens(vocab, device_type, gradient_summed_hidden(hidden, _precision(dtype), weight.requires_grad))
 
 
-def fewest_chunked_tokens(weight, dtype, device_type: str) -> int:
+def fewest_chunked_tokens(weight, dtype) -> int:
     """The fewest tokens of a micro-batch that the chunked loss takes for the output layer `weight`
     (ptbr.memory.chunked_loss_from); fewer go through F.cross_entropy whole."""
-    vocab, hidden = weight.shape
-    return chunked_loss_from(vocab, hidden, device_type, _precision(dtype), weight.requires_grad)
+    return chunked_loss_from(weight.shape[1], _precision(dtype), weight.requires_grad)
 
 
 def _precision(dtype) -> str:

@@ -65,7 +65,7 @@ class TorchStep:
             if self.head is not None:
                 dtype = placement.autocast_dtype or self.head.weight.dtype
                 self._loss_chunk = chunk_size(self.head.weight, dtype, placement.device.type)
-                self._chunked_from = fewest_chunked_tokens(self.head.weight, dtype, placement.device.type)
+                self._chunked_from = fewest_chunked_tokens(self.head.weight, dtype)
             if sharded:  # its probe's forward pass left FSDP's root unit gathered (loading a state then fails)
                 model.reshard()
         # fine-tuning's right-padded batches go without their attention mask where the model is a

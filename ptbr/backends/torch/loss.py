@@ -17,10 +17,10 @@ logits' size: the log-softmax, the gradient of its output and the gradient of th
 CPU the step is as fast or faster, because the logits stay in cache (README, "Performance"); logits
 that fit one chunk are one chunk, which is still faster than F.cross_entropy there (`tiny` at a
 2,048-token vocabulary), where the micro-batch has enough tokens for the chunked loss to save
-memory (ptbr.memory.chunked_loss_from; fewer take the whole logits). Chunks of 32 MiB (262 tokens at a 32k vocabulary) made an H200's steps
-about 20% slower than the whole logits (many small kernels, and the fp32 (vocab x hidden) weight
-gradient added up once per chunk), so CUDA takes 256 MiB chunks: 8% slower than the whole logits
-there, measured before the in-place passes. Where that weight gradient is summed from 16-bit
+memory (ptbr.memory.chunked_loss_from; fewer take the whole logits). Chunks of 32 MiB (262 tokens
+at a 32k vocabulary) made an H200's steps about 20% slower than the whole logits (many small
+kernels, and the fp32 (vocab x hidden) weight gradient added up once per chunk), so CUDA takes
+256 MiB chunks: 8% slower than the whole logits there, measured before the in-place passes. Where that weight gradient is summed from 16-bit
 products, a chunk holds at least twice the hidden size in tokens (ptbr.memory.chunk_tokens).
 
 The output layer still runs inside the model's forward pass (through DDP's or FSDP's wrapper, which
@@ -120,12 +120,14 @@ def _precision(dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def chunked_cross_entropy(hidden, weight, labels, dtype=None):
+def chunked_cross_entropy(hidden, weight, labels, dtype=None, chunk=None):
     """Summed cross-entropy of `labels` (N; IGNORE_INDEX for none) under the logits
     hidden (N, H) @ weight.T (V, H), computed in `dtype` (default: the weight's), the logits upcast to
-    fp32 as F.cross_entropy's caller does."""
+    fp32 as F.cross_entropy's caller does; `chunk` tokens at a time (default: chunk_size's, which
+    the training step computes once and hands in)."""
     dtype = dtype or weight.dtype
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, dtype, chunk_size(weight, dtype, hidden.device.type),
+    chunk = chunk or chunk_size(weight, dtype, hidden.device.type)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, dtype, chunk,
                                             torch.is_grad_enabled() and hidden.requires_grad,
                                             torch.is_grad_enabled() and weight.requires_grad)
 

@@ -133,7 +133,7 @@ class TorchStep:
         from ptbr.backends.torch.loss import chunked_cross_entropy
 
         return chunked_cross_entropy(hidden.flatten(0, 1), weight, batch["labels"].flatten(),
-                                     self.placement.autocast_dtype)
+                                     self.placement.autocast_dtype, self._loss_chunk)
 
     def _decoder_hidden_states(self, module, batch: dict):
         """The final hidden states, from the model's decoder alone (what --compile compiles for the

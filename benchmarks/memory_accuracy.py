@@ -298,11 +298,11 @@ def cli(description: str, measure, run_grid, markdown, goal: dict[str, float], o
     if args.measure:
         print(json.dumps(measure(json.loads(args.measure))))
         return 0
-    device = args.device
-    if device is None:
-        import torch
+    import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here")
     rows = run_grid(device, args.timeout, args)
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")

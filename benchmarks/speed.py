@@ -526,7 +526,7 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         theirs, ours = number(r["reference_value"], r["unit"]), number(r["ptbr_value"], r["unit"])
         if "mfu_ptbr" in r:
-            theirs, ours = f"{theirs} (MFU {100 * r['mfu_reference']:.0f}%)", f"{ours} (MFU {100 * r['mfu_ptbr']:.0f}%)"
+            theirs, ours = f"{theirs} (MFU {percent(r['mfu_reference'])})", f"{ours} (MFU {percent(r['mfu_ptbr'])})"
         spread = r.get("round_ratios") or []
         within = f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
         lines.append(f"| {r['name']} | {r['metric']} | {r['reference']} | {theirs} | {ours} | {r['ratio']:.2f}x{within} |")
@@ -562,6 +562,17 @@ def kept_rows(path: Path, new_rows: list[dict]) -> list[dict]:
     replaced = {(r["section"], r["name"], r["metric"], r["reference"]) for r in new_rows}
     return [r for r in json.loads(path.read_text())["rows"]
             if (r["section"], r["name"], r["metric"], r["reference"]) not in replaced and r["section"] != "mlx"]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def percent(share: float) -> str:
+    """A share as a percentage: whole percents, or a tenth where below one (a GPU's MFU at `tiny`)."""
+    return f"{100 * share:.0f}%" if share >= 0.01 else f"{100 * share:.1f}%"
 
 
 def cpu_name() -> str:
@@ -618,6 +629,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what reproduces this run
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
+    if args.device == "cuda" and not cuda_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here")
     output = Path(args.output_dir)
     try:  # before the measuring, not after it
         output.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,7 @@ def ptbr_pretrain(spec: dict) -> None:
     if code:
         raise SystemExit(code)
     rows = [json.loads(line) for line in (Path(spec["output"]) / "metrics.jsonl").read_text().splitlines()]
-    # elapsed_s is the loop's clock summed over steps: the step, evaluation, and the loop around them
+    # elapsed_s is the loop's wall clock at each step's metrics row: the step and everything around it
     ends = [row["elapsed_s"] for row in rows]
     precision = json.loads((Path(spec["output"]) / "run_config.json").read_text())["precision"]  # as resolved
     report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "precision": precision,

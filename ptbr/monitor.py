@@ -254,7 +254,8 @@ def _in_progress(run_dir: Path) -> tuple[str | None, float | None]:
 
 
 def step_times(rows: list[dict]) -> list[float]:
-    """Seconds per step, from the elapsed_s of consecutive rows (evaluation included)."""
+    """Seconds per step, from the elapsed_s of consecutive rows (the wall clock between them:
+    evaluation and checkpoints included)."""
     times = []
     for before, after in zip(rows, rows[1:], strict=False):
         a, b = before.get("elapsed_s"), after.get("elapsed_s")

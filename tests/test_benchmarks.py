@@ -15,12 +15,16 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def load_speed():
-    spec = importlib.util.spec_from_file_location("ptbr_speed_benchmark", BENCHMARKS / "speed.py")
+def load_benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(f"ptbr_{name}_benchmark", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_speed():
+    return load_benchmark("speed")
 
 
 @pytest.mark.slow
@@ -146,3 +150,49 @@ def test_an_output_dir_that_cannot_be_made_stops_before_measuring(tmp_path, caps
         speed.main(["--only", "pretrain", "--output-dir", str(taken)])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().endswith(f"error: --output-dir {taken}: File exists")
+
+
+def test_mfu_below_one_percent_keeps_a_digit():
+    speed = load_speed()
+    assert [speed.percent(x) for x in (0.0042, 0.01, 0.1449)] == ["0.4%", "1%", "14%"]
+
+
+def test_the_loss_benchmark_times_both_losses_after_checking_they_agree(tmp_path, capsys):
+    loss_speed = load_benchmark("loss_speed")
+    rows = loss_speed.main(["--quick", "--json", str(tmp_path / "loss.json")])
+    assert [r["variant"] for r in rows] == ["whole logits", "chunked, 16,384 tokens (ptbr's)"]
+    assert all(r["ms"] > 0 and r["peak_mib"] is None for r in rows)  # no peak on CPU
+    assert json.loads((tmp_path / "loss.json").read_text())["rows"] == rows
+    table = capsys.readouterr().out
+    assert "| quick, 2 x 64 | 128 | 32 | fp32 | whole logits |" in table and "| 1.00 | - |" in table
+
+
+def test_the_loss_benchmark_refuses_to_time_a_loss_that_differs(monkeypatch):
+    from ptbr.backends.torch import loss
+
+    loss_speed = load_benchmark("loss_speed")
+    chunked = loss.chunked_cross_entropy
+    monkeypatch.setattr(loss, "chunked_cross_entropy", lambda *a, **k: chunked(*a, **k) * 1.001)
+    with pytest.raises(SystemExit, match="chunked, 16,384 tokens"):
+        loss_speed.main(["--quick"])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
+@pytest.mark.parametrize("name", ["speed", "loss_speed"])
+def test_device_cuda_without_a_gpu_is_one_line(name, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        load_benchmark(name).main(["--device", "cuda"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--device cuda: torch sees no CUDA GPU here")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
+@pytest.mark.parametrize("script", ["memory_accuracy.py", "lora_memory_accuracy.py"])
+def test_memory_benchmarks_refuse_device_cuda_without_a_gpu_before_the_grid(script):
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--device", "cuda"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].endswith("--device cuda: torch sees no CUDA GPU here")
+    assert "failed" not in done.stdout  # not one failure per grid point

@@ -427,6 +427,25 @@ def test_validation_windows_are_evenly_spaced_and_capped(tmp_path):
 # ---- the loop: evaluation, best step, checkpoints, non-finite steps --------------------------------
 
 
+def test_elapsed_s_is_the_wall_clock_between_rows_writing_included(tmp_path, monkeypatch):
+    """A row's elapsed_s counts what the loop did since the row before, writing that row included
+    (metrics, memory, checkpoints): the step times read from it are the wall clock's, as a
+    reference trainer's are in the speed benchmark."""
+    from ptbr.backends.torch.step import TorchStep
+
+    writing = 0.2
+    real = TorchStep.memory_bytes
+
+    def slow_memory_bytes(self):
+        time.sleep(writing)  # read while the row is written, after the row's clock
+        return real(self)
+
+    monkeypatch.setattr(TorchStep, "memory_bytes", slow_memory_bytes)
+    _, _, rows, _ = fit_tiny(tmp_path, 3)
+    gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:], strict=False)]
+    assert all(gap >= writing for gap in gaps), gaps
+
+
 class Recorder(Callbacks):
     def __init__(self):
         self.evals, self.checkpoints = [], []

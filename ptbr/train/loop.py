@@ -37,7 +37,7 @@ class LoopState:
 
     step: int = 0  # optimizer steps completed; also the batch source's position
     tokens_seen: int = 0
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0  # wall-clock seconds of the loop up to the last step's metrics row
     best_val_loss: float | None = None
     best_step: int | None = None
     skipped_steps: int = 0
@@ -136,6 +136,9 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
     progress = Progress(settings.max_steps, state.step, settings.log_every, enabled=world.is_main)
     start_step = state.step
     started = time.monotonic()
+    # elapsed_s runs on the wall clock from one step's metrics row to the next: the step, evaluation
+    # and everything the loop does around them (the previous row's writing and checkpoint included)
+    clock = started
     try:
         with GracefulStop() as stop:
             while state.step < settings.max_steps:
@@ -166,7 +169,8 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
                     if world.is_main:
                         callbacks.on_eval(state, val_loss, is_best)
 
-                state.elapsed_s += time.monotonic() - step_started
+                now = time.monotonic()
+                state.elapsed_s, clock = state.elapsed_s + (now - clock), now
                 tokens_per_s = result.input_tokens / step_time if step_time > 0 else 0.0
                 if metrics is not None:
                     metrics.write({

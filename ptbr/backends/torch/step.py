@@ -163,7 +163,8 @@ class TorchStep:
         import torch
 
         module = self.parallel or self.model
-        module.train()
+        if not module.training:  # evaluation switches back itself; transformers' train() walks every module
+            module.train()
         targets, inputs = target_count_of(micro_batches), input_count(micro_batches)
         if self.world.size > 1:
             targets, inputs = (int(v) for v in self.world.sum([targets, inputs]))

@@ -12,7 +12,8 @@ compute (the logits upcast to fp32, F.cross_entropy); the chunked loss is
 ptbr.backends.torch.loss.chunked_cross_entropy at the chunk ptbr takes on that device, and at
 larger chunks, to show what the chunk size trades. Each value is the median time of the timed
 repeats (CUDA events on a GPU, the wall clock on CPU) and, on a GPU, the peak memory allocated
-above the inputs. Every variant's loss is checked against the whole logits' before it is timed.
+above the inputs. Every variant's loss and both gradients are checked against the whole logits'
+before it is timed.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ SHAPES = {
     "cpu": [("85m, 8 x 256", 2048, 640), ("tiny, 8 x 256", 2048, 128)],
 }
 QUICK = [("quick, 2 x 64", 128, 32)]
-LARGER_CHUNKS = (4096, 8192)
+LARGER_CHUNKS = (4096, 8192)  # also timed where a shape has more tokens
+QUICK_CHUNKS = (48,)  # three chunks of the quick shape's 128 tokens
 
 
-def measure(fn, device: str, warmup: int, repeats: int) -> tuple[float, float | None]:
-    """Median milliseconds of `fn` and, on a GPU, its peak MiB allocated above what was allocated
-    before it."""
+def measure(fn, clear, device: str, warmup: int, repeats: int) -> tuple[float, float | None]:
+    """Median milliseconds of `fn` and, on a GPU, its peak MiB allocated above the inputs (`clear`
+    drops the gradients of the run before)."""
     import torch
 
     for _ in range(warmup):
@@ -59,6 +61,7 @@ def measure(fn, device: str, warmup: int, repeats: int) -> tuple[float, float | 
             times.append((time.perf_counter() - started) * 1e3)
     peak = None
     if device == "cuda":
+        clear()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
@@ -70,7 +73,7 @@ def measure(fn, device: str, warmup: int, repeats: int) -> tuple[float, float | 
 
 
 def shape_rows(name: str, tokens: int, hidden: int, vocab: int, device: str, precision: str,
-               warmup: int, repeats: int) -> list[dict]:
+               warmup: int, repeats: int, chunks: tuple[int, ...] = LARGER_CHUNKS) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -83,8 +86,11 @@ def shape_rows(name: str, tokens: int, hidden: int, vocab: int, device: str, pre
     weight = (0.02 * torch.randn(vocab, hidden, device=device, generator=generator)).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
 
-    def whole():
+    def clear():
         hidden_states.grad = weight.grad = None
+
+    def whole():
+        clear()
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
             logits = F.linear(hidden_states, weight)
         loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -93,7 +99,7 @@ def shape_rows(name: str, tokens: int, hidden: int, vocab: int, device: str, pre
 
     def chunked(chunk: int):
         def run():
-            hidden_states.grad = weight.grad = None
+            clear()
             loss = chunked_cross_entropy(hidden_states, weight, labels, dtype, chunk)
             loss.backward()
             return loss.detach()
@@ -101,18 +107,24 @@ def shape_rows(name: str, tokens: int, hidden: int, vocab: int, device: str, pre
 
     default = chunk_size(weight, dtype, device)
     variants = {"whole logits": whole, f"chunked, {default:,} tokens (ptbr's)": chunked(default)}
-    for chunk in LARGER_CHUNKS:
-        if default < chunk < tokens:
+    for chunk in chunks:
+        if chunk != default and chunk < tokens:
             variants[f"chunked, {chunk:,} tokens"] = chunked(chunk)
-    reference = whole().item()
+    reference = [whole().item(), hidden_states.grad.clone(), weight.grad.clone()]
+    # the same sums in another order (and the output layer's gradient summed in fp32 from 16-bit
+    # products per chunk, where the whole logits make one 16-bit product): relative to the largest
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     rows = []
     for label, fn in variants.items():
         loss = fn().item()
-        # the same sum in another order: bf16 products differ in their last bits, fp32 hardly
-        tolerance = (1e-5 if dtype == torch.float32 else 1e-3) * abs(reference)
-        if abs(loss - reference) > tolerance:
-            raise SystemExit(f"{name}, {label}: loss {loss} against the whole logits' {reference}")
-        ms, mib = measure(fn, device, warmup, repeats)
+        if abs(loss - reference[0]) > 1e-5 * abs(reference[0]):
+            raise SystemExit(f"{name}, {label}: loss {loss} against the whole logits' {reference[0]}")
+        for what, got, expected in (("hidden states'", hidden_states.grad, reference[1]),
+                                    ("output layer's", weight.grad, reference[2])):
+            off = (got - expected).abs().max().item()
+            if off > tolerance * expected.abs().max().item():
+                raise SystemExit(f"{name}, {label}: the {what} gradient is {off:.3g} off the whole logits'")
+        ms, mib = measure(fn, clear, device, warmup, repeats)
         rows.append({"shape": name, "tokens": tokens, "hidden": hidden, "vocab": vocab, "precision": precision,
                      "variant": label, "ms": ms, "peak_mib": mib})
         print(f"  {name}: {label}: {ms:.2f} ms" + (f", {mib:,.0f} MiB" if mib is not None else ""), flush=True)
@@ -145,13 +157,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU here")
     precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-    shapes, warmup, repeats, vocab = (QUICK, 1, 2, 512) if args.quick else (SHAPES[args.device], 4, args.repeats,
-                                                                             args.vocab)
+    shapes, warmup, repeats, vocab, chunks = ((QUICK, 1, 2, 512, QUICK_CHUNKS) if args.quick else
+                                              (SHAPES[args.device], 4, args.repeats, args.vocab, LARGER_CHUNKS))
     machine = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     machine += f", torch {torch.__version__}"
     rows = []
     for name, tokens, hidden in shapes:
-        rows += shape_rows(name, tokens, hidden, vocab, args.device, precision, warmup, repeats)
+        rows += shape_rows(name, tokens, hidden, vocab, args.device, precision, warmup, repeats, chunks)
     table = markdown(rows, machine)
     print(table)
     if args.json:

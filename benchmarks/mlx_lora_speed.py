@@ -11,7 +11,7 @@ every layer, no dropout, the same batch size and learning rate, for the same num
 the first steps (compilation) are not timed. mlx-lm batches examples of similar length together
 (sorted by length): ptbr runs with --group-by-length, its own way of doing so. Both are timed from
 the end of the last untimed step to the end of the last, the making of each batch included: ptbr
-by its steps' times (metrics.jsonl's elapsed_s), mlx-lm by the wall clock at its step reports.
+by metrics.jsonl's elapsed_s (the loop's wall clock at each row), mlx-lm by the wall clock at its step reports.
 Tokens are the tokens a loss is taken on (the ones both count the same way: every token of an
 example but its first).
 

@@ -160,11 +160,16 @@ def test_mfu_below_one_percent_keeps_a_digit():
 def test_the_loss_benchmark_times_both_losses_after_checking_they_agree(tmp_path, capsys):
     loss_speed = load_benchmark("loss_speed")
     rows = loss_speed.main(["--quick", "--json", str(tmp_path / "loss.json")])
-    assert [r["variant"] for r in rows] == ["whole logits", "chunked, 16,384 tokens (ptbr's)"]
+    assert [r["variant"] for r in rows] == ["whole logits", "chunked, 16,384 tokens (ptbr's)", "chunked, 48 tokens"]
     assert all(r["ms"] > 0 and r["peak_mib"] is None for r in rows)  # no peak on CPU
     assert json.loads((tmp_path / "loss.json").read_text())["rows"] == rows
     table = capsys.readouterr().out
     assert "| quick, 2 x 64 | 128 | 32 | fp32 | whole logits |" in table and "| 1.00 | - |" in table
+
+
+def test_the_loss_benchmark_checks_bf16_chunks_too():
+    rows = load_benchmark("loss_speed").main(["--quick", "--precision", "bf16"])
+    assert [r["precision"] for r in rows] == ["bf16"] * 3
 
 
 def test_the_loss_benchmark_refuses_to_time_a_loss_that_differs(monkeypatch):
@@ -173,7 +178,24 @@ def test_the_loss_benchmark_refuses_to_time_a_loss_that_differs(monkeypatch):
     loss_speed = load_benchmark("loss_speed")
     chunked = loss.chunked_cross_entropy
     monkeypatch.setattr(loss, "chunked_cross_entropy", lambda *a, **k: chunked(*a, **k) * 1.001)
-    with pytest.raises(SystemExit, match="chunked, 16,384 tokens"):
+    with pytest.raises(SystemExit, match="chunked, 16,384 tokens.*: loss"):
+        loss_speed.main(["--quick"])
+
+
+def test_the_loss_benchmark_refuses_a_loss_whose_gradient_differs(monkeypatch):
+    """The right loss with a wrong gradient (as an in-place accumulation that aliased its addend once
+    gave) is caught before it is timed."""
+    from ptbr.backends.torch import loss
+
+    loss_speed = load_benchmark("loss_speed")
+    chunked = loss.chunked_cross_entropy
+
+    def halved_gradients(hidden, weight, *args, **kwargs):
+        value = chunked(hidden, weight, *args, **kwargs)
+        return value + 0.5 * (hidden.sum() - hidden.sum().detach())  # same value, another gradient
+
+    monkeypatch.setattr(loss, "chunked_cross_entropy", halved_gradients)
+    with pytest.raises(SystemExit, match="hidden states' gradient"):
         loss_speed.main(["--quick"])
 
 

@@ -462,7 +462,7 @@ def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict,
         "best_val_loss": state.best_val_loss,
         "best_step": state.best_step,
         "skipped_steps": state.skipped_steps,
-        "elapsed_s": round(state.elapsed_s, 3),
+        "elapsed_s": round(state.elapsed_s, 6),
         "this_session_s": round(time.monotonic() - session_started, 3),
         **extra,
     }

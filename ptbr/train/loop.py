@@ -176,7 +176,7 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
                     metrics.write({
                         "step": state.step, "loss": result.loss, "val_loss": val_loss, "lr": lr,
                         "grad_norm": result.grad_norm, "tokens_per_s": round(tokens_per_s, 1),
-                        "mem_bytes": backend.memory_bytes(), "elapsed_s": round(state.elapsed_s, 3),
+                        "mem_bytes": backend.memory_bytes(), "elapsed_s": round(state.elapsed_s, 6),
                     })
                 progress.update(state.step, result.loss, lr, tokens_per_s, val_loss)
                 beat(f"training after step {state.step}")

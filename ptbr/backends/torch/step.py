@@ -77,6 +77,10 @@ class TorchStep:
             self.padding_mask_why = padding_mask_needed(model, placement.autocast,
                                                         half=placement.precision in ("fp16", "bf16"))
             self.keeps_padding_mask = self.padding_mask_why is not None
+        # every module in training mode, once: a base from from_pretrained comes in evaluation mode
+        # under a PEFT wrapper (or DDP's) that says training, and gradient checkpointing and dropout
+        # follow each module's own flag; train_step then only undoes evaluation's eval()
+        (parallel or model).train()
         # --compile: training steps run the decoder compiled (the chunked loss eager), or the forward
         # pass and the whole logits' loss compiled together; evaluation stays eager (no_grad would be
         # a second compile, for a few batches)
@@ -163,7 +167,7 @@ class TorchStep:
         import torch
 
         module = self.parallel or self.model
-        if not module.training:  # evaluation switches back itself; transformers' train() walks every module
+        if not module.training:  # set in __init__; transformers' train() walks every module, not each step
             module.train()
         targets, inputs = target_count_of(micro_batches), input_count(micro_batches)
         if self.world.size > 1:

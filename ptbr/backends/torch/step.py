@@ -167,7 +167,7 @@ class TorchStep:
         import torch
 
         module = self.parallel or self.model
-        if not module.training:  # set in __init__; transformers' train() walks every module, not each step
+        if not self.model.training:  # set in __init__; transformers' train() walks every module, not each step
             module.train()
         targets, inputs = target_count_of(micro_batches), input_count(micro_batches)
         if self.world.size > 1:
@@ -215,15 +215,17 @@ class TorchStep:
         mine = [rank_slice(batch, self.world.rank, self.world.size) for batch in batches]
         self.model.eval()
         total, count = 0.0, 0
-        with torch.no_grad():
-            for batch in mine:
-                total += self._loss_sum(self.model, self._to_device(batch)).item()
-                count += target_count(batch)
+        try:
+            with torch.no_grad():
+                for batch in mine:
+                    total += self._loss_sum(self.model, self._to_device(batch)).item()
+                    count += target_count(batch)
+        finally:
+            self.model.train()
         if self.sharded:
             # FSDP keeps the root's gathered weights after a forward pass until the next backward:
             # shard them again, or saving and the optimizer would meet other parameter objects
             self.model.reshard()
-        self.model.train()
         if self.world.size > 1:
             total, count = self.world.sum([total, count])
         return total / count if count else float("nan")

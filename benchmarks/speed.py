@@ -564,12 +564,6 @@ def kept_rows(path: Path, new_rows: list[dict]) -> list[dict]:
             if (r["section"], r["name"], r["metric"], r["reference"]) not in replaced and r["section"] != "mlx"]
 
 
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def percent(share: float) -> str:
     """A share as a percentage: whole percents, or a tenth where below one (a GPU's MFU at `tiny`)."""
     return f"{100 * share:.0f}%" if share >= 0.01 else f"{100 * share:.1f}%"
@@ -629,7 +623,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what reproduces this run
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
-    if args.device == "cuda" and not cuda_available():
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU here")
     output = Path(args.output_dir)
     try:  # before the measuring, not after it

@@ -41,7 +41,7 @@ CHUNK_BYTES = 32 * MIB  # the chunked loss's fp32 logits per chunk (ptbr/backend
 # kernels and added the output layer's fp32 gradient up once per chunk (85m, 16 x 1024 tokens on an
 # H200: steps about 20% slower than with the whole logits); 256 MiB makes 8 chunks of that batch. With
 # each chunk worked on in place (an H100): the loss alone 10.8 ms against the whole logits' 11.7, a
-# step as fast as --no-chunked-loss's; 1 GiB chunks were 9.6 ms, for 1.1 GiB more (~1% of that step)
+# step as fast as --no-chunked-loss's; 1 GiB chunks were 9.6 ms, for 1.1 GiB more (~1.7% of that step)
 CUDA_CHUNK_BYTES = 256 * MIB
 # Where the output layer is trained in 16 bits, each chunk adds its 16-bit (vocab x hidden) product to
 # the layer's fp32 gradient: a chunk of few tokens then spends longer writing and adding that product

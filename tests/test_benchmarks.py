@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+WITHOUT_A_GPU = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
 
 
 def load_benchmark(name: str):
@@ -199,7 +200,7 @@ def test_the_loss_benchmark_refuses_a_loss_whose_gradient_differs(monkeypatch):
         loss_speed.main(["--quick"])
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
+@WITHOUT_A_GPU
 @pytest.mark.parametrize("name", ["speed", "loss_speed"])
 def test_device_cuda_without_a_gpu_is_one_line(name, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -208,7 +209,7 @@ def test_device_cuda_without_a_gpu_is_one_line(name, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--device cuda: torch sees no CUDA GPU here")
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
+@WITHOUT_A_GPU
 @pytest.mark.parametrize("script", ["memory_accuracy.py", "lora_memory_accuracy.py"])
 def test_memory_benchmarks_refuse_device_cuda_without_a_gpu_before_the_grid(script):
     import subprocess

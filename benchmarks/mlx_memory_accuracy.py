@@ -55,7 +55,8 @@ def predict(point: dict) -> int:
     bits = {"none": None, "4bit": 4, "8bit": 8}[point["quant"]]
     estimate = estimate_mlx_memory(architecture(point), point["batch_size"], point["seq_len"], point["precision"],
                                    RANK if point["mode"] == "lora" else None, bits, point["gradient_checkpointing"],
-                                   lora_dropout=point["mode"] == "lora" and DROPOUT > 0)
+                                   lora_dropout=point["mode"] == "lora" and DROPOUT > 0,
+                                   grad_accum=point.get("grad_accum", 1))
     return estimate.total
 
 
@@ -102,9 +103,10 @@ def measure(point: dict) -> int:
     rng = np.random.default_rng(0)
     windows = rng.integers(0, vocab, (point["batch_size"], point["seq_len"] + 1))
     batch = {"input_ids": windows[:, :-1], "labels": windows[:, 1:]}
-    step.train_step([batch], 1e-4)
+    micro_batches = [batch] * point.get("grad_accum", 1)  # a step of that many (tests; the grid has one)
+    step.train_step(micro_batches, 1e-4)
     mx.reset_peak_memory()
-    step.train_step([batch], 1e-4)
+    step.train_step(micro_batches, 1e-4)
     peak = mx.get_peak_memory() - before
     del step
     gc.collect()

@@ -20,9 +20,14 @@ The peak is not the sum of those: activations are freed layer by layer while gra
 It is the largest of three moments of a steady-state step (AdamW state already allocated):
   end of forward     = weights + optimizer + activations + all weight copies + the logits
   start of backward  = weights + optimizer + activations + the copies still held + fp32 loss tensors
-  end of backward    = weights + optimizer + gradients + one layer's working set
+                       (or, where more, the output layer's backward: the logits' gradient and the
+                       layer's fresh weight gradient)
+  end of backward    = weights + optimizer + gradients + one layer's working set (or the
+                       embedding's fresh gradient)
 With gradient accumulation the first two also hold the gradients of the step's earlier
-micro-batches (torch; the MLX estimate counts the gradients in each of its moments already).
+micro-batches, and at the end of backward a later micro-batch's fresh embedding gradient comes on
+top of every kept one (torch; MLX's estimate, which counts the gradients in each of its moments,
+adds the accumulated ones to its backward moment).
 On CPU this matches the allocated peak of real steps within 1% (tests/test_memory.py); the
 resident-memory and GPU comparison is benchmarks/memory_accuracy.py (the table is in the README).
 """
@@ -329,6 +334,14 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
     # which makes a third vocab x hidden buffer for a moment.
     embedding_grad = (4 if mixed else 8) * arch.lm_head_parameters if arch.tie_word_embeddings else 0
     logits = 3 * 4 * tokens * arch.vocab_size
+    # a moment later the output layer's backward: in fp32 the logits' gradient, the gradient of the
+    # layer's input and the layer's fresh weight gradient; in 16 bits the larger of its matmul (the
+    # logits' 16-bit gradient, the weight's 16-bit gradient and a temporary of about that size that
+    # torch's CPU matmul can make) and the weight gradient's fp32 upcast (the autocast copy freed by
+    # then), planned as their bound. More than the loss's three tensors for micro-batches of fewer
+    # tokens than about half the hidden size, and under accumulation on top of the kept gradients.
+    output_backward = ((2 * tokens * arch.vocab_size + 4 * arch.lm_head_parameters + 2 * arch.hidden_size * tokens)
+                       if mixed else 4 * (tokens * arch.vocab_size + arch.lm_head_parameters + arch.hidden_size * tokens))
     resident = 4 * params + 8 * params + overhead  # weights + AdamW state
     kept = 4 * params if grad_accum > 1 else 0  # the earlier micro-batches' gradients (see the module doc)
     forward_output = (2 if mixed else 4) * tokens * arch.vocab_size  # the logits
@@ -343,13 +356,24 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         forward_output = 4 * arch.hidden_size * tokens  # the final hidden states
         logits = _chunked_loss_bytes(arch, tokens, 2 if mixed else 4, device,
                                      gradient_summed_hidden(arch.hidden_size, precision))
+        output_backward = 0  # its weight gradient was made in the forward pass, in `logits`
         # the output layer's gradient exists before the embedding's: that one is added in place
         embedding_grad = 4 * arch.lm_head_parameters if arch.tie_word_embeddings else 0
+    if grad_accum > 1:
+        # every gradient exists from the first micro-batch on, and the embedding's fresh (vocab x
+        # hidden) gradient of a later one comes on top of them (tied: with the output layer's, which
+        # waits for it to be added)
+        embedding_grad += 4 * arch.lm_head_parameters
+        if gradient_checkpointing:
+            # and the first recomputed layer's backward runs while every kept gradient and every
+            # layer's checkpointed input are alive (tied: the output layer's fresh gradient waiting too)
+            working += (arch.num_layers * 4 * arch.hidden_size * tokens
+                        + (4 * arch.lm_head_parameters if arch.tie_word_embeddings else 0))
     return MemoryEstimate(
         precision=precision, weights=4 * params, gradients=4 * params, optimizer=8 * params,
         activations=activations, logits=logits, overhead=overhead, weight_copies=all_copies,
         forward_end=resident + kept + activations + all_copies + forward_output,
-        backward_start=resident + kept + activations + held_copies + logits,
+        backward_start=resident + kept + activations + held_copies + max(logits, output_backward),
         backward_end=resident + 4 * params + max(working, embedding_grad),
     )
 
@@ -576,7 +600,8 @@ def estimate_run(settings, arch: Architecture, target: str, batch_size: int, seq
         return estimate_mlx_memory(arch, batch_size, seq_len, precision, settings.lora_r if lora else None,
                                    MLX_QUANT_BITS[settings.quant] if lora else None, checkpointing,
                                    lora_dropout=lora and settings.lora_dropout > 0, overhead=overhead,
-                                   targets=lora_targets(settings.target_modules) if lora else LORA_ALL)
+                                   targets=lora_targets(settings.target_modules) if lora else LORA_ALL,
+                                   grad_accum=grad_accum)
     if not hasattr(settings, "lora_r"):
         shards = processes if settings.fsdp else 1
         return estimate_training_memory(arch, batch_size, seq_len, precision, checkpointing, overhead, shards,
@@ -653,7 +678,7 @@ def _mlx_adapter_inventory(arch: Architecture, compute: int, rank: int, dropout:
 def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, precision: str = "bf16",
                         lora_rank: int | None = None, quant_bits: int | None = None,
                         gradient_checkpointing: bool = False, lora_dropout: bool = False, overhead: int = 0,
-                        targets: tuple[str, ...] = LORA_ALL) -> MemoryEstimate:
+                        targets: tuple[str, ...] = LORA_ALL, grad_accum: int = 1) -> MemoryEstimate:
     """Predicted peak of an MLX training step (ptbr.backends.mlx), as mx.get_peak_memory() reports it.
 
     Pretraining (lora_rank None): fp32 master weights, their fp32 gradients and AdamW state, and
@@ -668,6 +693,8 @@ def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, preci
       update     = weights + optimizer + gradients + one group's new weights, AdamW state and
                    clipped gradients (MLX writes them to fresh buffers before the old ones are
                    freed; ptbr's AdamW updates one decoder layer, then the rest, at a time)
+    With gradient accumulation a later micro-batch's backward makes its gradients while the
+    accumulated ones are alive (4 B per trainable parameter more in the backward moment).
     (MemoryEstimate's fields: backward_start holds the backward moment, backward_end the update;
     forward_end is the forward pass's end, never the larger.) Within 8% of mx.get_peak_memory() on
     mlx[cpu] (benchmarks/mlx_memory_accuracy.py; tests/test_mlx_memory.py allows 10%); on Metal,
@@ -712,7 +739,7 @@ def estimate_mlx_memory(arch: Architecture, batch_size: int, seq_len: int, preci
         precision=precision, weights=weights, gradients=4 * trainable, optimizer=8 * trainable,
         activations=activations, logits=logits, overhead=overhead, weight_copies=casts,
         forward_end=resident + casts + activations + compute * tokens * arch.vocab_size,
-        backward_start=resident + casts + activations + working + logits,
+        backward_start=resident + (4 * trainable if grad_accum > 1 else 0) + casts + activations + working + logits,
         backward_end=resident + 16 * group,  # its new weights, m and v, and its clipped gradients
         quant=f"mlx{quant_bits}" if quant_bits else None,
     )

@@ -98,13 +98,13 @@ PRETRAIN_EXPECTED = {  # with the chunked loss (the default): 85m fits twice the
     ("2xt4", "400m"): (2, 8, 1024, False), ("2xt4", "800m"): (16, 1, 1024, True),
     ("h100", "tiny"): (32, 1, 512, False), ("h100", "85m"): (32, 1, 1024, False),
     ("h100", "400m"): (32, 1, 1024, False), ("h100", "800m"): (16, 2, 1024, False),
-    ("mac8", "tiny"): (8, 4, 512, False), ("mac8", "85m"): (2, 16, 1024, False),
+    ("mac8", "tiny"): (8, 4, 512, False), ("mac8", "85m"): (1, 32, 1024, False),
     ("mac8", "400m"): None, ("mac8", "800m"): None,  # 16 B per parameter alone exceed Metal's 5.3 GiB
     # Apple Silicon plans for the MLX backend (its estimate: benchmarks/mlx_memory_accuracy.py)
     ("mac16", "tiny"): (32, 1, 512, False), ("mac16", "85m"): (4, 8, 1024, False),
-    ("mac16", "400m"): (2, 16, 1024, True), ("mac16", "800m"): None,
+    ("mac16", "400m"): (1, 32, 1024, True), ("mac16", "800m"): None,
     ("mac32", "tiny"): (32, 1, 512, False), ("mac32", "85m"): (8, 4, 1024, False),
-    ("mac32", "400m"): (4, 8, 1024, False), ("mac32", "800m"): (1, 32, 1024, False),
+    ("mac32", "400m"): (2, 16, 1024, False), ("mac32", "800m"): (1, 32, 1024, False),
     ("cpu24", "tiny"): (32, 1, 512, False), ("cpu24", "85m"): (16, 2, 1024, False),
     ("cpu24", "400m"): (4, 8, 1024, False), ("cpu24", "800m"): (1, 32, 1024, False),
 }
@@ -478,6 +478,40 @@ def test_auto_fit_halves_until_a_step_fits():
     assert [t["result"].split(":")[0] for t in choice.tried] == ["out of memory"] * 3 + ["fits"]
     with pytest.raises(DeviceError, match="even at micro-batch 1"):
         auto_fit(backend, lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
+
+
+class AccumulatingStep:
+    """A step whose memory is its rows, plus the earlier micro-batches' gradients (one row's worth
+    here) from the second micro-batch of a step on, as a real step's peak is under accumulation."""
+
+    def __init__(self, limit: int, calls: list):
+        self.limit, self.calls = limit, calls
+
+    def train_step(self, micro_batches, lr):
+        import torch
+
+        self.calls.append(len(micro_batches))
+        rows = len(micro_batches[0]["input_ids"])
+        if rows + (len(micro_batches) > 1) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_auto_fit_dry_runs_accumulate_as_the_run_will():
+    """A micro-batch of 4 fits alone (4 <= 4) but not with the gradients an earlier micro-batch
+    leaves (5): under accumulation the dry run's steps run two micro-batches, so 4 x 2 is refused
+    and 2 x 4 chosen; a dry run of one micro-batch would have chosen 4 x 2, and the run's first
+    step would have run out of memory. Without accumulation a step is one micro-batch."""
+    from ptbr.backends.torch import TorchBackend
+    from ptbr.train.autofit import auto_fit
+
+    backend, calls = TorchBackend.create("cpu"), []
+    choice = auto_fit(backend, lambda b: AccumulatingStep(4, calls), lambda b: {"input_ids": [[0]] * b}, 8, 1)
+    assert (choice.batch_size, choice.grad_accum) == (2, 4)
+    assert [t["result"].split(":")[0] for t in choice.tried] == ["out of memory"] * 2 + ["fits"]
+    assert calls == [1, 2, 2, 2]  # 8 x 1 (one micro-batch), 4 x 2, then 2 x 4's two steps
+    calls.clear()
+    choice = auto_fit(backend, lambda b: AccumulatingStep(4, calls), lambda b: {"input_ids": [[0]] * b}, 4, 1)
+    assert (choice.batch_size, choice.grad_accum, calls) == (4, 1, [1, 1])
 
 
 @pytest.mark.parametrize("compile, chunked", [(False, True), (True, True), (True, False), (False, False)])

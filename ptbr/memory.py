@@ -310,7 +310,7 @@ def estimate_training_memory(arch: Architecture, batch_size: int, seq_len: int, 
         return _sharded(arch, estimate_training_memory(arch, batch_size, seq_len, precision, gradient_checkpointing,
                                                        overhead, chunked_loss=chunked_loss, grad_accum=grad_accum,
                                                        device=device),
-                        shards)
+                        shards, grad_accum)
     params = arch.parameters
     tokens = batch_size * seq_len
     mixed = precision in ("fp16", "bf16")
@@ -430,13 +430,15 @@ def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: s
     return held + 2 * vocab * h + 2 * chunk * h + work
 
 
-def _sharded(arch: Architecture, whole: MemoryEstimate, shards: int) -> MemoryEstimate:
+def _sharded(arch: Architecture, whole: MemoryEstimate, shards: int, grad_accum: int = 1) -> MemoryEstimate:
     params = arch.parameters
     layer = arch.layer_linear_parameters() + 2 * arch.hidden_size
     root = params - arch.num_layers * layer
     gathered = 4 * (root + 2 * layer)
     saved = (4 + 8) * params - (4 + 8) * params // shards - gathered  # weights and AdamW: sharded, some gathered
-    grads = 4 * params - 4 * params // shards - 4 * layer  # one layer's gradient whole before its reduce-scatter
+    # one layer's gradient whole before its reduce-scatter; under accumulation every gradient stays
+    # whole until the step's last micro-batch, so an earlier one's backward ends holding them all
+    grads = 0 if grad_accum > 1 else 4 * params - 4 * params // shards - 4 * layer
     return dataclasses.replace(
         whole, weights=4 * params // shards, gradients=4 * params // shards, optimizer=8 * params // shards,
         forward_end=whole.forward_end - saved, backward_start=whole.backward_start - saved,

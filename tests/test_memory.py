@@ -280,6 +280,21 @@ def test_accumulation_makes_gradients_afresh_on_top_of_the_kept_ones(preset, voc
     assert low <= predicted / measured <= high, predicted / measured
 
 
+def test_fsdp_keeps_whole_gradients_between_micro_batches():
+    """FSDP over 2 processes: in one micro-batch each layer's gradient is reduce-scattered as the
+    backward pass reaches it, so the pass ends holding the shards; under accumulation (FSDP2 without
+    gradient sync until the last micro-batch) an earlier micro-batch's backward ends holding every
+    gradient whole, as one process does. Only the weights and AdamW state stay sharded then."""
+    arch = Architecture.from_preset(PRESETS["800m"], 32000)
+    args = (arch, 1, 1024, "bf16", True)
+    whole, sharded = (estimate_training_memory(*args, shards=n, grad_accum=2) for n in (1, 2))
+    saved = whole.backward_start - sharded.backward_start  # weights and AdamW state, sharded
+    assert saved > 3.9 * GIB
+    assert whole.backward_end - sharded.backward_end == saved
+    alone = estimate_training_memory(*args, shards=2)
+    assert estimate_training_memory(*args).backward_end - alone.backward_end > saved + 1.3 * GIB  # the grads
+
+
 def test_the_chunked_loss_saves_the_whole_logits():
     """85m at batch 8 x 1024 in bf16: the whole logits' 3,000 MiB of fp32 tensors become 393 MiB
     (the hidden states and their gradient, the output layer's gradient and 16-bit copy, one chunk

@@ -430,7 +430,7 @@ def _chunked_loss_bytes(arch: Architecture, tokens: int, compute: int, device: s
     return held + 2 * vocab * h + 2 * chunk * h + work
 
 
-def _sharded(arch: Architecture, whole: MemoryEstimate, shards: int, grad_accum: int = 1) -> MemoryEstimate:
+def _sharded(arch: Architecture, whole: MemoryEstimate, shards: int, grad_accum: int) -> MemoryEstimate:
     params = arch.parameters
     layer = arch.layer_linear_parameters() + 2 * arch.hidden_size
     root = params - arch.num_layers * layer

@@ -428,17 +428,18 @@ def test_out_of_memory_is_recognised():
 
 
 class FakeStep:
-    """A backend whose step runs out of memory above `limit` sequences per micro-batch."""
+    """A backend's step that runs out of memory above `limit` rows: its micro-batch's, plus one
+    row's worth for the earlier micro-batches' gradients from a step's second micro-batch on (as a
+    real step's peak is under accumulation). Appends each step's number of micro-batches to `calls`."""
 
-    built: list[int] = []
-
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, calls: list | None = None):
+        self.limit, self.calls = limit, calls if calls is not None else []
 
     def train_step(self, micro_batches, lr):
         import torch
 
-        if len(micro_batches[0]["input_ids"]) > self.limit:
+        self.calls.append(len(micro_batches))
+        if len(micro_batches[0]["input_ids"]) + (len(micro_batches) > 1) > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
 
@@ -480,22 +481,6 @@ def test_auto_fit_halves_until_a_step_fits():
         auto_fit(backend, lambda b: FakeStep(limit=0), lambda b: {"input_ids": [[0]] * b}, 4, 1)
 
 
-class AccumulatingStep:
-    """A step whose memory is its rows, plus the earlier micro-batches' gradients (one row's worth
-    here) from the second micro-batch of a step on, as a real step's peak is under accumulation."""
-
-    def __init__(self, limit: int, calls: list):
-        self.limit, self.calls = limit, calls
-
-    def train_step(self, micro_batches, lr):
-        import torch
-
-        self.calls.append(len(micro_batches))
-        rows = len(micro_batches[0]["input_ids"])
-        if rows + (len(micro_batches) > 1) > self.limit:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-
-
 def test_auto_fit_dry_runs_accumulate_as_the_run_will():
     """A micro-batch of 4 fits alone (4 <= 4) but not with the gradients an earlier micro-batch
     leaves (5): under accumulation the dry run's steps run two micro-batches, so 4 x 2 is refused
@@ -505,12 +490,12 @@ def test_auto_fit_dry_runs_accumulate_as_the_run_will():
     from ptbr.train.autofit import auto_fit
 
     backend, calls = TorchBackend.create("cpu"), []
-    choice = auto_fit(backend, lambda b: AccumulatingStep(4, calls), lambda b: {"input_ids": [[0]] * b}, 8, 1)
+    choice = auto_fit(backend, lambda b: FakeStep(4, calls), lambda b: {"input_ids": [[0]] * b}, 8, 1)
     assert (choice.batch_size, choice.grad_accum) == (2, 4)
     assert [t["result"].split(":")[0] for t in choice.tried] == ["out of memory"] * 2 + ["fits"]
     assert calls == [1, 2, 2, 2]  # 8 x 1 (one micro-batch), 4 x 2, then 2 x 4's two steps
     calls.clear()
-    choice = auto_fit(backend, lambda b: AccumulatingStep(4, calls), lambda b: {"input_ids": [[0]] * b}, 4, 1)
+    choice = auto_fit(backend, lambda b: FakeStep(4, calls), lambda b: {"input_ids": [[0]] * b}, 4, 1)
     assert (choice.batch_size, choice.grad_accum, calls) == (4, 1, [1, 1])
 
 

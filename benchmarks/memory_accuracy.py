@@ -16,7 +16,8 @@ What is measured, and why it matches what is predicted:
   model is built. The baseline is taken after importing torch and transformers and after a
   warm-up step of a throwaway one-layer model, so that the interpreter, the libraries, their
   kernels, thread pools and allocator arenas are in the baseline, as they are outside the
-  prediction. What is left is the model's tensors plus what glibc's allocator keeps around them.
+  prediction. What is left is the model's tensors plus what glibc's allocator keeps around them
+  (told, as in ptbr's CPU runs, to keep what is freed: ptbr/backends/torch/allocator.py).
   The CPU rows also give the peak of allocated tensor bytes (from torch.profiler's memory events
   over the third step, plus the parameters and optimizer state alive at its start): the gap
   between the two columns is allocator overhead, not model error. --malloc-release reruns the
@@ -80,6 +81,7 @@ def measure(point: dict) -> dict:
     import numpy as np
     import torch
 
+    from ptbr.backends.torch.allocator import keep_freed_memory
     from ptbr.backends.torch.device import resolve_device, resolve_precision
     from ptbr.backends.torch.models import build_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -88,6 +90,8 @@ def measure(point: dict) -> dict:
 
     placement = resolve_precision(resolve_device(point["device"]), point["precision"])
     cuda = placement.device.type == "cuda"
+    if not cuda:  # as ptbr's CPU runs do (TorchBackend.create); --malloc-release's variable overrides it
+        keep_freed_memory()
     settings = LoopSettings()
 
     def build(preset, vocab_size, checkpointing):
@@ -168,8 +172,9 @@ def _profiled_peak(backend, batch) -> int:
     return alive + rise
 
 
-# glibc keeps freed blocks below its (dynamic, up to 32 MiB) mmap threshold in the heap, so a CPU
-# process's resident memory stays above its live tensors; a fixed threshold returns them.
+# ptbr's CPU runs keep freed blocks under 32 MiB in the heap (no trimming), so a CPU process's resident
+# memory stays above its live tensors; a fixed mmap threshold returns them (and being a malloc
+# setting of the user's, it leaves ptbr's alone).
 MALLOC_RELEASE = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 

@@ -42,6 +42,7 @@ class Backend(Protocol):
     device: str  # where it trains, as the library names it (cuda:0, cpu, gpu)
     precision: str  # fp32 | fp16 | bf16
     reason: str  # why this device and precision, for the log
+    host_memory: str  # what the backend set of the host's memory allocator, for the log ("": nothing)
     world: World  # this run's processes: SingleProcess, or a rank of torch's data-parallel run
 
     def seed(self, seed: int) -> None:

@@ -410,6 +410,8 @@ def describe_placement(backend, settings) -> str:
     if world.size > 1:
         line += (f"; data parallel over {world.size} processes: batch {settings.batch_size} x grad_accum "
                  f"{settings.grad_accum} x {world.size} processes = {effective_batch(settings, world)} per step")
+    if backend.host_memory:
+        line += f"; {backend.host_memory}"
     return line
 
 

@@ -44,6 +44,7 @@ class MlxBackend:
         self.device = placement.device
         self.precision = placement.precision
         self.reason = placement.reason
+        self.host_memory = ""  # nothing set: MLX caches its own buffers
         self.world = SingleProcess()  # MLX trains in one process (data parallelism is torch's)
 
     def check_compile(self) -> None:

@@ -7,6 +7,7 @@ import gc
 import logging
 from pathlib import Path
 
+from ptbr.backends.torch.allocator import keep_freed_memory
 from ptbr.backends.torch.device import Placement, resolve_device, resolve_precision
 from ptbr.backends.torch.distributed import world_from_env
 from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -31,6 +32,7 @@ class TorchBackend:
         self.precision = placement.precision
         self.reason = placement.reason
         self.world = world or SingleProcess()
+        self.host_memory = ""  # what ptbr set of the host's allocator, for the start-up line ("" nothing)
 
     @classmethod
     def create(cls, device: str = "auto", precision: str = "auto", pretraining: bool = False) -> TorchBackend:
@@ -47,7 +49,11 @@ class TorchBackend:
             world.start(resolved)
             if not world.is_main:  # one rank speaks for the run; the others say only what goes wrong
                 logging.getLogger("ptbr").setLevel(logging.WARNING)
-        return cls(resolve_precision(resolved, precision, pretraining), world)
+        backend = cls(resolve_precision(resolved, precision, pretraining), world)
+        if resolved.type == "cpu" and keep_freed_memory():
+            backend.host_memory = ("glibc's malloc keeps what a step frees for the next (blocks under 32 MiB, "
+                                   "no trimming), so steps do not fault their buffers back in")
+        return backend
 
     def check_compile(self) -> None:
         """--compile: refused where torch.compile cannot run here (before the run directory is made)."""

@@ -38,6 +38,10 @@ class TorchStep:
             from ptbr.backends.torch.attention import keep_sdpa_off_the_math_kernel
 
             keep_sdpa_off_the_math_kernel()
+        elif placement.device.type == "cpu":  # bf16: the fp32 flash kernel, twice as fast backward
+            from ptbr.backends.torch.attention import compute_cpu_bf16_attention_in_fp32
+
+            compute_cpu_bf16_attention_in_fp32()
         fp16 = placement.precision == "fp16"
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -1,0 +1,92 @@
+"""Host memory on a CPU: glibc keeps what a step frees (ptbr/backends/torch/allocator.py). mallopt
+sets the whole process, so each case runs in a fresh interpreter: real bf16 training steps of a
+small model, counting the pages they fault in once warm (each a fresh page from the kernel, the
+cost the setting removes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ptbr.backends.torch import allocator
+
+pytestmark = pytest.mark.skipif(not allocator._glibc(), reason="glibc's malloc only")
+
+CHILD = """
+import json, resource, sys
+import numpy as np, torch
+from ptbr.backends.torch import allocator
+from ptbr.backends.torch.device import resolve_precision
+from ptbr.backends.torch.models import build_model
+from ptbr.backends.torch.step import TorchStep, build_optimizer
+from ptbr.config import LoopSettings, get_preset
+from ptbr.data.batch import windows_to_batch
+kept = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
+placement = resolve_precision(torch.device("cpu"), "bf16")
+model = build_model(get_preset("tiny"), 2048, 0, 0)
+step = TorchStep(model, build_optimizer(model, LoopSettings(), placement.device), placement, 1.0,
+                 chunked_loss=True)
+batches = [windows_to_batch(np.random.default_rng(i).integers(0, 2048, size=(8, 257))) for i in range(2)]
+faults = []
+for i in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step.train_step([batches[i % 2]], 1e-4)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"kept": kept, "faults": faults, "again": allocator.keep_freed_memory() if kept else None}))
+"""
+
+
+def _child(mode: str, **env) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MALLOC_")}
+    done = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True,
+                          env={**environ, **env}, timeout=300)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_warm_steps_fault_no_pages_in():
+    kept = _child("keep")
+    assert kept["kept"] is True and kept["again"] is True  # once per process, the same answer
+    # the first steps grow the heap; from the fourth on, what they free serves the next (measured: 0)
+    assert sum(kept["faults"][4:]) < 100
+    default = _child("default")  # glibc's default: thousands a step here (700-10,000)
+    assert sum(default["faults"][4:]) > 2000
+
+
+def test_the_users_own_malloc_settings_are_left_alone():
+    assert allocator.user_chose_the_allocator({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == (
+        "LD_PRELOAD=/usr/lib/libjemalloc.so.2")
+    assert allocator.user_chose_the_allocator({"MALLOC_MMAP_THRESHOLD_": "1", "MALLOC_TOP_PAD_": "0"}) == (
+        "MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_")
+    assert allocator.user_chose_the_allocator({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}) == (
+        "glibc.malloc.trim_threshold")
+    # what does not touch mmap or trimming is not a choice of this
+    assert allocator.user_chose_the_allocator({"MALLOC_ARENA_MAX": "2", "LD_PRELOAD": "",
+                                               "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) is None
+
+
+def test_a_malloc_setting_in_the_environment_keeps_glibc_as_told():
+    done = subprocess.run([sys.executable, "-c", "from ptbr.backends.torch import allocator; "
+                           "print(allocator.keep_freed_memory())"], capture_output=True, text=True, check=True,
+                          env={**os.environ, "MALLOC_TRIM_THRESHOLD_": "131072"})
+    assert done.stdout.strip() == "False"
+
+
+def test_a_cpu_backend_keeps_freed_memory_and_a_gpu_one_does_not(monkeypatch):
+    import ptbr.backends.torch as torch_backend
+    from ptbr.runs.common import describe_placement
+
+    calls = []
+    monkeypatch.setattr(torch_backend, "keep_freed_memory", lambda: calls.append(1) or True)
+    backend = torch_backend.TorchBackend.create("cpu", "fp32", pretraining=True)
+    assert calls == [1]
+    assert "glibc's malloc keeps what a step frees" in describe_placement(backend, None)  # the start-up line
+    monkeypatch.setattr(torch_backend, "resolve_device", lambda device: __import__("torch").device("cuda", 0))
+    monkeypatch.setattr(torch_backend, "resolve_precision", lambda *a: None)
+    monkeypatch.setattr(torch_backend.TorchBackend, "__init__", lambda self, placement, world=None: None)
+    torch_backend.TorchBackend.create("cuda", "bf16", pretraining=True)
+    assert calls == [1]

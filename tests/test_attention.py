@@ -180,29 +180,32 @@ def _recording_sdpa(monkeypatch):
 
 
 def test_every_other_attention_keeps_transformers_function(monkeypatch):
-    """A mask, dropout while training, a cached decoding step, a query shorter than the keys, fp32,
-    asked-for attention weights: transformers' own function, with what it was given."""
+    """A mask, dropout, a cached decoding step, a query shorter than the keys, fp32, asked-for
+    attention weights, no causal mask, values narrower than keys: transformers' own function, with
+    what it was given."""
     wrapped, calls = _recording_sdpa(monkeypatch)
     module = SimpleNamespace(training=False, is_causal=True, num_key_value_groups=2)
     q, k, v, _ = _attention_inputs(1, 4, 2, 8, 16)
 
-    def run(query=q, key=k, mask=None, autocast=True, **kwargs):
+    def run(query=q, key=k, value=v, mask=None, autocast=True, **kwargs):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            return wrapped(module, query, key, v, mask, scaling=0.25, **kwargs)[0]
+            return wrapped(module, query, key, value, mask, scaling=0.25, **kwargs)[0]
 
     assert run(mask=torch.zeros(1, 1, 8, 8)) == "transformers"
-    module.training = True
-    assert run(dropout=0.1) == "transformers"
-    module.training = False
+    assert run(dropout=0.1) == "transformers"  # transformers applies it, training or not
     assert run(query=q[:, :, -1:]) == "transformers"  # decoding one token
     assert run(query=q[:, :, -4:]) == "transformers"  # a cache: fewer queries than keys
     assert run(autocast=False) == "transformers"  # fp32 queries, keys and values
     assert run(output_attentions=True) == "transformers"
     assert run(is_causal=False) == "transformers"
-    assert len(calls) == 7 and calls[0] == {"dropout": 0.0, "scaling": 0.25}
+    module.is_causal = False
+    assert run(is_causal=None) == "transformers"  # None: the module's say, as transformers reads it
+    module.is_causal = True
+    assert run(value=v[..., :8]) == "transformers"  # values narrower than keys (DeepSeek-V2's heads)
+    assert len(calls) == 9 and calls[0] == {"dropout": 0.0, "scaling": 0.25}
     out = run()  # bf16, causal, no mask: ours
-    assert len(calls) == 7 and out.shape == (1, 8, 4, 16) and out.dtype == torch.bfloat16  # (batch, seq, heads, dim)
-    assert run(dropout=0.1).dtype == torch.bfloat16  # dropout is off outside training
+    assert len(calls) == 9 and out.shape == (1, 8, 4, 16) and out.dtype == torch.bfloat16  # (batch, seq, heads, dim)
+    assert run(is_causal=None).dtype == torch.bfloat16  # the module's is_causal: causal
 
 
 def test_a_bf16_step_on_cpu_computes_attention_so_and_its_loss_does_not_move(monkeypatch):

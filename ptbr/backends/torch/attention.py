@@ -21,9 +21,10 @@ dtype) and autocast casts them for SDPA. Older transformers (4.46 has no sdpa_at
 On a CPU in bf16 (ptbr's pretraining default where the CPU multiplies bf16 natively) torch's flash
 kernel computes attention's backward pass about twice as slowly as in fp32 (torch 2.13 on a 2-core
 Xeon with AMX: `tiny`'s (8, 4, 256, 32) heads 13 ms against 5.2 ms a layer, `85m`'s (2, 10, 256, 64)
-9.1 ms against 5.5 ms): a third of `tiny`'s bf16 step went there. There ptbr runs the same kernel
-in fp32 on the same inputs and keeps what it saves for the backward pass in bf16, as the bf16 kernel
-does (the memory model holds unchanged); the result is cast to bf16, as autocast's would be.
+9.1 ms against 5.5 ms): a third of `tiny`'s bf16 step went there. There ptbr runs the bf16
+kernel's forward pass (the same output, bit for bit) and keeps what it keeps (the memory model holds
+unchanged), and runs the backward pass with the fp32 kernel on those bf16 tensors, upcast (exact):
+the gradients come out closer to exact attention of those values, in the inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -123,15 +124,19 @@ def flash_attention_fp32_backward(query, key, value, scale, dtype):
     return _FUNCTION[0].apply(query, key, value, scale, dtype)
 
 
-def fp32_attention_applies(module, query, key, attention_mask, dropout: float, kwargs: dict) -> bool:
-    """Whether a call of transformers' SDPA attention is the case ptbr computes in fp32 on a CPU:
-    16-bit (bf16 by autocast or by the tensors' own dtype), causal over the whole sequence (no mask,
-    no cache, queries as long as keys), no dropout, nothing else asked of it."""
+def fp32_attention_applies(module, query, key, value, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether a call of transformers' SDPA attention is the case whose backward pass ptbr computes
+    in fp32 on a CPU: bf16 (by autocast or by the tensors' own dtype), causal over the whole
+    sequence (no mask, no cache, queries as long as keys; causal as transformers decides it: the
+    call's is_causal, else the module's), no dropout (transformers applies a given rate whether or
+    not the module is training), values as wide as keys (the flash kernel's), nothing else asked."""
     import torch
 
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     return (query.device.type == "cpu" and sdpa_dtype(key) == torch.bfloat16 and attention_mask is None
-            and not (dropout and module.training) and query.shape[2] > 1 and query.shape[2] == key.shape[2]
-            and kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+            and not dropout and is_causal and query.shape[2] > 1 and query.shape[2] == key.shape[2]
+            and key.shape[-1] == value.shape[-1]
             and not any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap"))
             and not kwargs.get("output_attentions", False) and not torch.jit.is_tracing())
 
@@ -150,7 +155,7 @@ def compute_cpu_bf16_attention_in_fp32() -> None:
 
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                scaling: float | None = None, **kwargs):
-        if not fp32_attention_applies(module, query, key, attention_mask, dropout, kwargs):
+        if not fp32_attention_applies(module, query, key, value, attention_mask, dropout, kwargs):
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         import torch
 

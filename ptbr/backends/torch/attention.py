@@ -142,9 +142,10 @@ def fp32_attention_applies(module, query, key, value, attention_mask, dropout: f
 
 
 def compute_cpu_bf16_attention_in_fp32() -> None:
-    """Register (idempotent) a wrapper of transformers' "sdpa" attention that computes the CPU's
-    bf16 causal attention with the fp32 kernel (see the module's docstring); every other call, and
-    a torch without the CPU flash kernels, keeps transformers' own function."""
+    """Register (idempotent) a wrapper of transformers' "sdpa" attention that runs the CPU's bf16
+    causal attention forward with the bf16 kernel and backward with the fp32 one (see the module's
+    docstring); every other call, and a torch without the CPU flash kernels, keeps transformers'
+    own function."""
     try:
         from transformers.modeling_utils import AttentionInterface
     except ImportError:  # transformers without an attention registry: left alone

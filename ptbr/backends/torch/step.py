@@ -38,7 +38,7 @@ class TorchStep:
             from ptbr.backends.torch.attention import keep_sdpa_off_the_math_kernel
 
             keep_sdpa_off_the_math_kernel()
-        elif placement.device.type == "cpu":  # bf16: the fp32 flash kernel, twice as fast backward
+        elif placement.device.type == "cpu":  # bf16: attention's backward by the fp32 flash kernel (2x faster)
             from ptbr.backends.torch.attention import compute_cpu_bf16_attention_in_fp32
 
             compute_cpu_bf16_attention_in_fp32()

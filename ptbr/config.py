@@ -234,9 +234,9 @@ class PretrainConfig(LoopSettings):
     model_size: str = setting("tiny", "Model preset: tiny, 85m, 400m or 800m.")
     seq_len: int = setting(256, "Tokens per training sequence.")
     compile: bool = setting(
-        False, "Compile the model's forward pass with torch.compile (with the loss where it takes the whole logits; "
-        "torch backend, one process, CPU or CUDA; needs a C/C++ compiler): faster steps after a compile of tens of "
-        "seconds at the first step.")
+        False, "Compile the model's forward pass with torch.compile (with the loss where it takes the whole logits, "
+        "as on a GPU in bf16/fp16 up to 1 GiB of them; torch backend, one process, CPU or CUDA; needs a C/C++ "
+        "compiler): faster steps after a compile of tens of seconds at the first step.")
     optional_paths: ClassVar[tuple[str, ...]] = ("data", "tokenizer")
     command: ClassVar[str] = "train"
 

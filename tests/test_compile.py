@@ -119,6 +119,27 @@ def test_compiled_bf16_autocast_is_one_graph_and_resumes_bit_for_bit(tmp_path):
     assert [r["loss"] for r in metrics(twice)] == [r["loss"] for r in metrics(once)]
 
 
+@pytest.mark.slow
+def test_compiled_whole_logits_where_the_gpu_rule_takes_them(tmp_path, monkeypatch):
+    """On a CUDA GPU in bf16/fp16, --compile takes the whole 16-bit logits, chunked loss or not
+    (ptbr.memory.compiled_whole_logits). The rule widened to the CPU here: the start-up line says so,
+    the forward pass and the loss are one graph without a break, and the run trains as the eager
+    chunked loss does to bf16 rounding; in fp32 the same run keeps the chunked loss."""
+    from ptbr import memory
+
+    monkeypatch.setattr(memory, "COMPILED_WHOLE_DEVICES", ("cpu",))
+    eager, compiled, fp32 = tmp_path / "eager", tmp_path / "compiled", tmp_path / "fp32"
+    bf16 = ("--precision", "bf16", "--max-steps", "4")
+    train(eager, *bf16)
+    assert compiled_train(compiled, *bf16) == {"graphs": 1, "breaks": {}}
+    line = ("chunked loss: not under --compile here: micro-batches of 128 tokens take the whole 16-bit logits "
+            "(vocabulary 2,048), compiled with the forward pass")
+    assert line in (compiled / "train.log").read_text() and line not in (eager / "train.log").read_text()
+    assert [r["loss"] for r in metrics(compiled)] == pytest.approx([r["loss"] for r in metrics(eager)], rel=2e-2)
+    compiled_train(fp32, "--max-steps", "2")
+    assert "micro-batches of 128 tokens take one chunk" in (fp32 / "train.log").read_text()
+
+
 def test_compile_is_refused_in_one_line_where_it_cannot_run(tmp_path, capsys, monkeypatch):
     from torch._inductor import config
 

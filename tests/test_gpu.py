@@ -85,6 +85,22 @@ def test_a_run_resumed_on_the_gpu_repeats_the_uninterrupted_one(tmp_path, precis
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_compile_on_the_gpu_takes_the_whole_16_bit_logits(tmp_path):
+    """--compile on a GPU in bf16/fp16 (tiny, 8 x 256 tokens: one chunk of the chunked loss eager):
+    the loss is compiled with the forward pass over the whole 16-bit logits, as the start-up line
+    says, and the run learns."""
+    from ptbr.backends.torch.device import has_real_bf16
+
+    out = tmp_path / "run"
+    precision = "bf16" if has_real_bf16() else "fp16"
+    assert main(["train", "--output", str(out), "--model-size", "tiny", "--seq-len", "256", "--batch-size", "8",
+                 "--max-steps", "60", "--device", "cuda", "--precision", precision, "--compile"]) == 0
+    assert ("chunked loss: not under --compile here: micro-batches of 2048 tokens take the whole 16-bit logits"
+            in (out / "train.log").read_text())
+    rows = metrics(out)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+
+
 @pytest.fixture(scope="module")
 def small_base(tmp_path_factory):
     """A random Mistral-shaped base (GQA, SwiGLU) with a tokenizer trained on PT-BR sentences, and

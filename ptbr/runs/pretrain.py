@@ -160,7 +160,10 @@ def _auto_fit(settings: PretrainConfig, backend, dataset: TokenDataset, preset) 
 
     def make_step(batch_size: int):
         # probes run eager: one compile per probed size would cost tens of seconds each, and the
-        # compiled step keeps no more activations than the eager one
+        # compiled step keeps no more activations than the eager one (where it takes the whole
+        # 16-bit logits on a GPU, ptbr.memory.compiled_whole_logits, it can hold more than the
+        # eager chunked step of a small model: a first step that then runs out of memory is
+        # halved again by resume_smaller_on_oom)
         pad_id = dataset.meta.get("pad_id") if dataset.meta else None
         probe = dataclasses.replace(settings, batch_size=batch_size, compile=False)
         return backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id, probe)

@@ -141,6 +141,10 @@ class TorchBackend:
         if step.head is None:
             return f"chunked loss: not with this model ({step.whole_logits_why}): the whole logits"
         chunk, fewest = step.loss_chunk(), step.chunked_from()
+        if tokens >= fewest and step.compiles_whole_logits(tokens):
+            return (f"chunked loss: not under --compile here: micro-batches of {tokens} tokens take the whole "
+                    f"16-bit logits (vocabulary {step.head.out_features:,}), compiled with the forward pass "
+                    "(faster on a GPU; inductor never makes their fp32 copy)")
         line = (f"chunked loss: {chunk} tokens per chunk at vocabulary {step.head.out_features:,}; "
                 f"micro-batches of {tokens} tokens ")
         if tokens > chunk:

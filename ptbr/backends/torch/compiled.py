@@ -7,7 +7,9 @@ log-softmax and its backward) into a few fused ones and leaves the matrix multip
 to torch's own kernels; on a CPU it writes C++ (built with the machine's C++ compiler), on a GPU
 Triton kernels (Volta or newer; the launcher is built with the C compiler). With the chunked loss
 (ptbr/backends/torch/loss.py) only the decoder, up to its final hidden states, is compiled, and the
-loss runs eager on them. The compiled code is cached
+loss runs eager on them; on a CUDA GPU in bf16/fp16 the whole 16-bit logits' loss is compiled with
+the forward pass instead, where those logits take at most 1 GiB (ptbr.memory.compiled_whole_logits:
+faster there, and inductor never makes their fp32 copy). The compiled code is cached
 (TORCHINDUCTOR_CACHE_DIR, by default under the system's temporary directory), so that a later
 run of the same shapes starts within seconds.
 """

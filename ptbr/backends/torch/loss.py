@@ -1,5 +1,7 @@
 """The training loss of the torch backend, with the vocabulary's logits made a chunk of tokens at a
-time (--chunked-loss, the default; under --compile the decoder is compiled and this loss runs eager).
+time (--chunked-loss, the default; under --compile the decoder is compiled and this loss runs eager,
+except on a CUDA GPU in 16 bits, where the whole logits' loss compiled is faster: see
+ptbr.memory.compiled_whole_logits).
 
 The plain way computes the (tokens x vocab) logits whole, upcasts them to fp32 and hands them to
 F.cross_entropy; at a 32k vocabulary that is 128 KiB per token, and three such fp32 tensors are

@@ -89,6 +89,7 @@ class TorchStep:
         # pass and the whole logits' loss compiled together; evaluation stays eager (no_grad would be
         # a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext
+        self.compiled = compile
         if compile:
             from ptbr.backends.torch.compiled import compile_loss, deterministic_kernels
 
@@ -118,6 +119,15 @@ class TorchStep:
 
     def _chunks(self, batch: dict) -> bool:
         return self.head is not None and batch["labels"].numel() >= self._chunked_from
+
+    def compiles_whole_logits(self, tokens: int) -> bool:
+        """--compile: whether a micro-batch of `tokens` tokens that the chunked loss would take
+        has its loss compiled with the forward pass over the whole 16-bit logits instead
+        (ptbr.memory.compiled_whole_logits: on a CUDA GPU, where they are small enough)."""
+        from ptbr.memory import compiled_whole_logits
+
+        return (self.compiled and self.head is not None
+                and compiled_whole_logits(tokens, self.head.out_features, self.precision, self.placement.device.type))
 
     def _loss_sum(self, module, batch: dict):
         """Summed cross-entropy over the target tokens of one micro-batch (eager)."""
@@ -151,8 +161,9 @@ class TorchStep:
 
     def _compiled_loss_sum(self, module, batch: dict):
         """--compile: the decoder compiled and the chunked loss eager, or the forward pass and the
-        whole logits' loss compiled together."""
-        if self._chunks(batch):
+        whole logits' loss compiled together (on a CUDA GPU also for micro-batches that the chunked
+        loss would take, where their 16-bit logits are small enough: faster there)."""
+        if self._chunks(batch) and not self.compiles_whole_logits(batch["labels"].numel()):
             return self._chunked_loss_sum(self._compiled_hidden(module, batch), self.head.weight, batch)
         return self._compiled_whole(module, batch)
 

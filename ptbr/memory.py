@@ -65,9 +65,9 @@ IN_PLACE_DEVICES = ("cpu", "cuda")
 # states, for micro-batches whose 16-bit logits take at most COMPILED_WHOLE_LOGITS_BYTES: inductor
 # fuses the log-softmax, its backward and the upcast into the output layer's kernels and never
 # makes the fp32 logits. Measured on an H100, 85m in bf16 at 16 x 1024 tokens and a 32k vocabulary:
-# steps of 0.040 s against 0.046-0.053 s (the Trainer with torch_compile=True: 0.045 s), at a peak
-# of 7.7 GB against 7.2 GB (eager, chunked: 9.8 GB). On a CPU the chunked loss is the faster there
-# too (tiny at a 32k vocabulary: 1.3x), so it stays.
+# steps of 0.040 s against 0.051-0.053 s (the Trainer with torch_compile=True: 0.045 s), at a peak
+# of 7.7 GB against 7.2 GB (eager, chunked: 9.8 GB). On a CPU the chunked loss is the faster one
+# under --compile (tiny: 1.3x at a 32k vocabulary in fp32, 1.09x in bf16 at 2,048), so it stays.
 COMPILED_WHOLE_DEVICES = ("cuda",)
 COMPILED_WHOLE_LOGITS_BYTES = GIB
 

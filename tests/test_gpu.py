@@ -85,11 +85,17 @@ def test_a_run_resumed_on_the_gpu_repeats_the_uninterrupted_one(tmp_path, precis
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_compile_on_the_gpu_takes_the_whole_16_bit_logits(tmp_path):
+def test_compile_on_the_gpu_takes_the_whole_16_bit_logits(tmp_path, monkeypatch):
     """--compile on a GPU in bf16/fp16 (tiny, 8 x 256 tokens: one chunk of the chunked loss eager):
-    the loss is compiled with the forward pass over the whole 16-bit logits, as the start-up line
-    says, and the run learns."""
+    the loss is compiled with the forward pass over the whole 16-bit logits (never the decoder
+    alone), as the start-up line says, and the run learns."""
     from ptbr.backends.torch.device import has_real_bf16
+    from ptbr.backends.torch.step import TorchStep
+
+    def decoder_alone(*args):
+        raise AssertionError("the decoder alone was compiled: the chunked loss's path")
+
+    monkeypatch.setattr(TorchStep, "_decoder_hidden_states", decoder_alone)
 
     out = tmp_path / "run"
     precision = "bf16" if has_real_bf16() else "fp16"

@@ -327,7 +327,7 @@ def test_compile_on_a_gpu_plans_the_whole_16_bit_logits_once():
     for batch, precision, device in ((17, "bf16", "cuda"), (16, "fp32", "cuda"), (16, "bf16", "cpu")):
         assert (estimate_training_memory(arch, batch, 1024, precision, chunked_loss=True, device=device, compiled=True)
                 == estimate_training_memory(arch, batch, 1024, precision, chunked_loss=True, device=device))
-    # what preflight, info and --auto-fit plan: with the run's --compile
+    # what preflight plans (estimate_run): with the run's --compile
     runs = [estimate_run(PretrainConfig(model_size="85m", compile=compile), arch, "cuda", 16, 1024, "bf16", False,
                          grad_accum=1) for compile in (False, True)]
     assert runs[1].total - runs[0].total == 2 * 16 * 1024 * 32000

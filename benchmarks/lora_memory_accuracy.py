@@ -9,7 +9,8 @@ bitsandbytes NF4 for --quant 4bit, peft's LoRA on every projection). Each point 
 process: the warm-up step of a throwaway base joins the baseline, then the real base is loaded and
 three optimizer steps run. Measured as in benchmarks/memory_accuracy.py: on CUDA
 torch.cuda.max_memory_allocated(); on CPU the peak of allocated tensor bytes (torch.profiler's
-memory events) and the growth of peak resident memory.
+memory events) and the growth of peak resident memory, with glibc's malloc set as ptbr's CPU runs
+set it (ptbr.backends.torch.allocator.keep_freed_memory).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def measure(point: dict) -> dict:
     import numpy as np
     import torch
 
+    from ptbr.backends.torch.allocator import keep_freed_memory
     from ptbr.backends.torch.device import resolve_device, resolve_precision
     from ptbr.backends.torch.lora import load_model
     from ptbr.backends.torch.step import TorchStep, build_optimizer
@@ -86,6 +88,8 @@ def measure(point: dict) -> dict:
 
     placement = resolve_precision(resolve_device(point["device"]), point["precision"])
     cuda = placement.device.type == "cuda"
+    if not cuda:  # glibc's malloc as ptbr's CPU runs set it (TorchBackend.create)
+        keep_freed_memory()
 
     def backend(base: str):
         settings = FinetuneConfig(base=base, data="unused", quant=point["quant"], lora_r=RANK, lora_dropout=DROPOUT,

@@ -172,8 +172,8 @@ def _recording_sdpa(monkeypatch):
         return "transformers", None
 
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", recorder)
-    attention.compute_cpu_bf16_attention_in_fp32()
-    attention.compute_cpu_bf16_attention_in_fp32()  # once only
+    attention.backpropagate_cpu_bf16_attention_in_fp32()
+    attention.backpropagate_cpu_bf16_attention_in_fp32()  # once only
     wrapped = AttentionInterface._global_mapping["sdpa"]
     assert wrapped.ptbr_wrapped and wrapped.__wrapped__ is recorder
     return wrapped, calls

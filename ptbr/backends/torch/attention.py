@@ -29,6 +29,8 @@ the gradients come out closer to exact attention of those values, in the inputs'
 
 from __future__ import annotations
 
+import functools
+
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # compute capability per CUDA device index
 
 
@@ -83,6 +85,7 @@ def _flash_for_cpu_ops():
     return None if forward is None or backward is None else (forward, backward)
 
 
+@functools.cache  # made once, at the first call: torch imported late (`ptbr --help` stays light)
 def _flash_attention_function():
     """An autograd Function: causal attention of (batch, heads, seq, head_dim) queries over keys and
     values with as many heads or fewer (grouped-query attention: the kernel takes the groups) by the
@@ -114,17 +117,12 @@ def _flash_attention_function():
     return FlashAttentionFp32Backward
 
 
-_FUNCTION: list = []  # the autograd Function, made once (torch imported late: `ptbr --help` stays light)
-
-
 def flash_attention_fp32_backward(query, key, value, scale, dtype):
     """Causal attention on a CPU: forward in `dtype`, backward in fp32 (see the module's docstring)."""
-    if not _FUNCTION:
-        _FUNCTION.append(_flash_attention_function())
-    return _FUNCTION[0].apply(query, key, value, scale, dtype)
+    return _flash_attention_function().apply(query, key, value, scale, dtype)
 
 
-def fp32_attention_applies(module, query, key, value, attention_mask, dropout: float, kwargs: dict) -> bool:
+def fp32_backward_applies(module, query, key, value, attention_mask, dropout: float, kwargs: dict) -> bool:
     """Whether a call of transformers' SDPA attention is the case whose backward pass ptbr computes
     in fp32 on a CPU: bf16 (by autocast or by the tensors' own dtype), causal over the whole
     sequence (no mask, no cache, queries as long as keys; causal as transformers decides it: the
@@ -141,7 +139,7 @@ def fp32_attention_applies(module, query, key, value, attention_mask, dropout: f
             and not kwargs.get("output_attentions", False) and not torch.jit.is_tracing())
 
 
-def compute_cpu_bf16_attention_in_fp32() -> None:
+def backpropagate_cpu_bf16_attention_in_fp32() -> None:
     """Register (idempotent) a wrapper of transformers' "sdpa" attention that runs the CPU's bf16
     causal attention forward with the bf16 kernel and backward with the fp32 one (see the module's
     docstring); every other call, and a torch without the CPU flash kernels, keeps transformers'
@@ -156,7 +154,7 @@ def compute_cpu_bf16_attention_in_fp32() -> None:
 
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                scaling: float | None = None, **kwargs):
-        if not fp32_attention_applies(module, query, key, value, attention_mask, dropout, kwargs):
+        if not fp32_backward_applies(module, query, key, value, attention_mask, dropout, kwargs):
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         import torch
 

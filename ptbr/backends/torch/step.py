@@ -39,9 +39,9 @@ class TorchStep:
 
             keep_sdpa_off_the_math_kernel()
         elif placement.device.type == "cpu":  # bf16: attention's backward by the fp32 flash kernel (2x faster)
-            from ptbr.backends.torch.attention import compute_cpu_bf16_attention_in_fp32
+            from ptbr.backends.torch.attention import backpropagate_cpu_bf16_attention_in_fp32
 
-            compute_cpu_bf16_attention_in_fp32()
+            backpropagate_cpu_bf16_attention_in_fp32()
         fp16 = placement.precision == "fp16"
         if sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -297,8 +297,10 @@ def large_vocab_section(args, work: Path) -> list[dict]:
         # --compile: on a CPU (or in fp32) the decoder compiled and the chunked loss eager, against the
         # forward pass and the whole logits' loss compiled together; on a GPU in 16 bits --compile
         # compiles the whole logits' loss either way (ptbr.memory.compiled_whole_logits): against eager ptbr
+        from ptbr.memory import compiled_whole_logits
+
         contenders["ptbr_compile"] = ("ptbr-pretrain", dict(spec, flags=["--compile"]))
-        if not (args.device == "cuda" and precision in ("bf16", "fp16")):
+        if not compiled_whole_logits(batch_size * seq_len, 32000, precision, args.device):
             contenders["ptbr_compile_whole"] = ("ptbr-pretrain", dict(spec, flags=["--compile", "--no-chunked-loss"]))
     runs = interleaved(contenders, args.rounds)
     tokens = batch_size * seq_len

@@ -10,8 +10,9 @@ Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead
   pretrain  tokens/s of `ptbr train` against transformers' Trainer and a minimal PyTorch loop on
             the same LlamaForCausalLM, token windows, batch, sequence length, precision and AdamW
             (fused), for tiny and 85m (and 400m on a GPU, with MFU), and against ptbr's own
-            --no-chunked-loss; and from those same runs, the time from the command to its first
-            completed step.
+            --no-chunked-loss; with --compile against the Trainer's torch_compile (on a GPU also
+            against ptbr's own --compile --no-cuda-graphs); and from those same runs, the time from
+            the command to its first completed step.
   vocab32k  the same at a 32k vocabulary (random tokens; tiny, batch 8 x 256), where ptbr's chunked
             loss makes several chunks: tokens/s and peak memory against the Trainer, the plain loop and ptbr's
             own --no-chunked-loss; and ptbr --compile against --compile --no-chunked-loss (on a GPU
@@ -201,6 +202,9 @@ def pretrain_section(args, work: Path) -> list[dict]:
         if not args.no_compile:  # torch.compile on both sides: ptbr's --compile, the Trainer's torch_compile
             contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"], cold_compile=True)),
                            "hf_trainer_compile": ("hf-pretrain", dict(spec, torch_compile=True, cold_compile=True))}
+            if args.device == "cuda":  # --compile replays its steps as CUDA graphs there: the lever alone
+                contenders["ptbr_compile_no_graphs"] = ("ptbr-pretrain", dict(spec, flags=["--compile", "--no-cuda-graphs"],
+                                                                              cold_compile=True))
         if default_is_bf16:  # what each runs when left to its defaults, and both in bf16
             contenders |= {"ptbr_default": ("ptbr-pretrain", dict(spec, flags=["--precision", "auto"])),
                            "hf_trainer_bf16": ("hf-pretrain", dict(spec, precision="bf16"))}
@@ -220,6 +224,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
         if not args.no_compile:
             pairs += [("ptbr_compile", "hf_trainer", "HF Trainer"),
                       ("ptbr_compile", "hf_trainer_compile", "HF Trainer, torch_compile=True")]
+            if "ptbr_compile_no_graphs" in contenders:
+                pairs.append(("ptbr_compile", "ptbr_compile_no_graphs", "ptbr --compile --no-cuda-graphs"))
         if default_is_bf16:
             pairs += [("ptbr_default", "hf_trainer", "HF Trainer (its default: fp32)"),
                       ("ptbr_default", "hf_trainer_bf16", "HF Trainer, bf16=True")]

@@ -396,10 +396,16 @@ def filter_third_party_noise(debug: bool) -> None:
     Deprecation notices are addressed to the code that calls a library (transformers and peft warn
     that `is_gradient_checkpointing` is deprecated at every fine-tuning run), and bitsandbytes logs
     at import time that an optional CPU kernel package (`kernels`) is not installed. Warnings of
-    other kinds (UserWarning, RuntimeWarning) may matter for a run and stay.
+    other kinds (UserWarning, RuntimeWarning) may matter for a run and stay, but one: under
+    `--compile` ptbr runs torch's deterministic mode (for inductor's kernels), where torch says once
+    a run on a GPU that cuDNN's (or flash, or memory-efficient) attention backward "defaults to a
+    non-deterministic algorithm" and names a remedy (the mode without warn_only) that would make
+    every op without a deterministic kernel an error; the README says what it means for a run.
     """
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
         warnings.filterwarnings("default" if debug else "ignore", category=category)
+    warnings.filterwarnings("default" if debug else "ignore", category=UserWarning,
+                            message=r"(cuDNN|Flash|Memory Efficient) [Aa]ttention defaults to a non-deterministic")
     logging.getLogger("bitsandbytes").setLevel(logging.NOTSET if debug else logging.ERROR)
 
 

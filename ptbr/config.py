@@ -237,6 +237,11 @@ class PretrainConfig(LoopSettings):
         False, "Compile the model's forward pass with torch.compile (with the loss where it takes the whole logits, "
         "as on a GPU in bf16/fp16 up to 1 GiB of them; torch backend, one process, CPU or CUDA; needs a C/C++ "
         "compiler): faster steps after a compile of tens of seconds at the first step.")
+    cuda_graphs: bool = setting(
+        True, "Under --compile on a CUDA GPU, replay each step's compiled forward and backward passes as CUDA graphs "
+        "(torch.compile's reduce-overhead mode) where a step is one micro-batch (--grad-accum 1) whose loss is "
+        "compiled with the forward pass, without --gradient-checkpointing: one launch instead of hundreds, for "
+        "small models whose steps wait on kernel launches.")
     optional_paths: ClassVar[tuple[str, ...]] = ("data", "tokenizer")
     command: ClassVar[str] = "train"
 

@@ -248,3 +248,25 @@ def test_test_gpu_on_a_missing_device_is_one_line_and_exit_5(device, capsys):
     assert out == ""  # never "running the probe on the CPU" when it will not
     [line] = err.strip().splitlines()
     assert line.startswith(f"error: --device {device} but ") and line.endswith("use --device cpu")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_torch_s_attention_determinism_notice_is_hidden_unless_debugging(debug):
+    """Under --compile, torch's deterministic mode makes torch say once a run on a GPU that cuDNN's
+    attention backward "defaults to a non-deterministic algorithm": hidden (--debug shows it);
+    other UserWarnings stay."""
+    import warnings
+
+    from ptbr.cli import filter_third_party_noise
+
+    notice = ("cuDNN Attention defaults to a non-deterministic algorithm. To explicitly enable determinism call "
+              "torch.use_deterministic_algorithms(True, warn_only=False).")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        filter_third_party_noise(debug)
+        warnings.warn(notice, UserWarning, stacklevel=1)
+        warnings.warn("Flash Attention defaults to a non-deterministic algorithm.", UserWarning, stacklevel=1)
+        warnings.warn("something a run should show", UserWarning, stacklevel=1)
+    shown = [str(w.message) for w in caught]
+    assert shown == ([notice, "Flash Attention defaults to a non-deterministic algorithm.",
+                      "something a run should show"] if debug else ["something a run should show"])

@@ -148,6 +148,113 @@ def test_compiled_whole_logits_where_the_gpu_rule_takes_them(tmp_path, monkeypat
     assert [r["loss"] for r in metrics(compiled)] == pytest.approx([r["loss"] for r in metrics(eager)], rel=1e-3)
 
 
+@pytest.mark.slow
+def test_a_step_of_one_micro_batch_takes_the_cuda_graphs_path(tmp_path, monkeypatch):
+    """--cuda-graphs (the default) under --compile: a step of one micro-batch runs the loss compiled
+    in torch.compile's reduce-overhead mode, marking each step's start for its CUDA graphs; a step
+    of several micro-batches the plain compiled loss. The CUDA graphs themselves need a GPU
+    (tests/test_gpu.py): here their refusal off the GPU is lifted, and inductor, which records no
+    CUDA graphs of CPU tensors, runs the same kernels, so the run trains as the plain compiled one."""
+    from ptbr.backends.torch import compiled
+
+    plain, graphed, accumulated = tmp_path / "plain", tmp_path / "graphed", tmp_path / "accumulated"
+    whole = ("--no-chunked-loss", "--max-steps", "4", "--save-every", "2", "--eval-every", "2")
+    compiled_train(plain, *whole, "--no-cuda-graphs")
+    monkeypatch.setattr(compiled, "cuda_graphs_refusal", lambda device, checkpointing: None)
+    steps, mark = [], torch.compiler.cudagraph_mark_step_begin
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append("mark") or mark())
+    compile_loss = compiled.compile_loss
+
+    def counted(loss, cuda_graphs=False):  # the graphed loss, each call of it counted
+        function = compile_loss(loss, cuda_graphs)
+        return (lambda *args: steps.append("graphed") or function(*args)) if cuda_graphs else function
+
+    monkeypatch.setattr(compiled, "compile_loss", counted)
+    assert compiled_train(graphed, *whole) == {"graphs": 1, "breaks": {}}
+    assert steps == ["mark", "graphed"] * 4  # every step through the graphed loss, its start marked first
+    assert ("each step's compiled forward and backward passes then replay as CUDA graphs"
+            in (graphed / "train.log").read_text())
+    assert [r["loss"] for r in metrics(graphed)] == [r["loss"] for r in metrics(plain)]
+    assert_same_training(weights(graphed / "final"), weights(plain / "final"))
+
+    steps.clear()
+    compiled_train(accumulated, *whole, "--batch-size", "2", "--grad-accum", "2")
+    assert steps == []  # two micro-batches a step: the plain compiled loss
+    assert ("CUDA graphs: not with 2 micro-batches a step (a second replay would overwrite the first one's "
+            "gradients; --grad-accum 1 with a larger --batch-size takes them)" in (accumulated / "train.log").read_text())
+    assert [r["loss"] for r in metrics(accumulated)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_out_of_memory_continues_smaller_without_its_old_graphs(tmp_path, oom_above, monkeypatch):
+    """--auto-fit under --compile (CUDA graphs' refusal lifted, as above): an out-of-memory at step 4
+    of micro-batches of 4 lets the compiled code and its graphs go (torch._dynamo.reset, which also
+    frees CUDA graphs' memory pool) before the run continues from step 2's checkpoint at 2 x 2,
+    whose steps take the plain compiled loss (two micro-batches)."""
+    from ptbr.backends.torch import compiled
+
+    monkeypatch.setattr(compiled, "cuda_graphs_refusal", lambda device, checkpointing: None)
+    events, compile_loss, reset = [], compiled.compile_loss, torch._dynamo.reset
+
+    def counted(loss, cuda_graphs=False):
+        function = compile_loss(loss, cuda_graphs)
+        return (lambda *args: events.append("graphed") or function(*args)) if cuda_graphs else function
+
+    monkeypatch.setattr(compiled, "compile_loss", counted)
+    sizes = oom_above(limit=2, after_calls=5)  # the dry run (2 calls) and steps 1-3 fit at 4 rows
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append(("reset", len(sizes))) or reset())
+    run = tmp_path / "run"
+    compiled_train(run, "--no-chunked-loss", "--batch-size", "4", "--grad-accum", "1", "--max-steps", "6",
+                   "--save-every", "2", "--auto-fit")
+    log = (run / "train.log").read_text()
+    assert "out of memory during the run" in log and "batch_size 2 x grad_accum 2" in log
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    assert events.count("graphed") == 3  # steps 1-3 at 4 x 1; none at 2 x 2
+    assert ("reset", 6) in events  # after the failed 6th call, before the run went on
+
+
+def test_cuda_graphs_are_torch_compile_s_reduce_overhead_mode(monkeypatch):
+    from ptbr.backends.torch.compiled import compile_loss
+
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda function, **options: asked.append(options) or function)
+    compile_loss(print), compile_loss(print, cuda_graphs=True)
+    assert asked == [{"dynamic": False, "mode": None}, {"dynamic": False, "mode": "reduce-overhead"}]
+
+
+@pytest.mark.slow
+def test_the_start_up_line_says_why_a_step_takes_no_cuda_graphs(tmp_path, monkeypatch):
+    """Where the chunked loss runs eager on the compiled decoder (here fp32, on a CPU with the
+    refusal lifted), and under accumulation, the --compile line says why the steps take no CUDA
+    graphs; off a GPU, or with --no-cuda-graphs, it says nothing of them. The refusal is asked
+    with the run's --gradient-checkpointing."""
+    from ptbr.backends.torch import compiled
+
+    compiled_train(tmp_path / "cpu", "--max-steps", "1")
+    assert "CUDA graphs" not in (tmp_path / "cpu" / "train.log").read_text()
+    asked = []
+    monkeypatch.setattr(compiled, "cuda_graphs_refusal", lambda device, checkpointing: asked.append(checkpointing))
+    compiled_train(tmp_path / "checkpointed", "--max-steps", "1", "--gradient-checkpointing")
+    assert asked == [True]
+    compiled_train(tmp_path / "chunked", "--max-steps", "1")
+    assert asked == [True, False]
+    assert ("--compile: the first step compiles the forward pass (with the loss where it takes the whole logits) "
+            "with torch.compile (tens of seconds on a CPU; a later run of the same shapes reuses the compiled code); "
+            "CUDA graphs: not where the chunked loss runs eager on the compiled decoder (fp32, or 16-bit logits "
+            "above 1 GiB; --no-chunked-loss takes them)") in (tmp_path / "chunked" / "train.log").read_text()
+    compiled_train(tmp_path / "off", "--max-steps", "1", "--no-cuda-graphs")
+    assert "CUDA graphs" not in (tmp_path / "off" / "train.log").read_text()
+
+
+def test_where_cuda_graphs_cannot_run():
+    from ptbr.backends.torch.compiled import cuda_graphs_refusal
+
+    assert cuda_graphs_refusal("cuda", False) is None
+    assert cuda_graphs_refusal("cpu", False) == "CUDA graphs are for CUDA GPUs"
+    assert cuda_graphs_refusal("cuda", True) == ("not with --gradient-checkpointing (its recomputation under "
+                                                 "CUDA graphs is untested)")
+
+
 def test_compile_is_refused_in_one_line_where_it_cannot_run(tmp_path, capsys, monkeypatch):
     from torch._inductor import config
 

@@ -107,6 +107,40 @@ def test_compile_on_the_gpu_takes_the_whole_16_bit_logits(tmp_path, monkeypatch)
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cuda_graphs_replay_the_compiled_step(tmp_path, monkeypatch, precision):
+    """--compile on a GPU, one micro-batch a step: the compiled forward and backward passes replay as
+    CUDA graphs (the default, --cuda-graphs), as the start-up line says; the run trains as the same
+    compiled run without them (to the rounding of attention's atomic backward kernels), resumes
+    from a checkpoint, and a run of two micro-batches a step (which cannot take them) says why. In
+    fp16 (a T4's precision) GradScaler scales the graphed loss and unscales its gradients."""
+    from ptbr.backends.torch.device import has_real_bf16
+
+    if precision == "bf16" and not has_real_bf16():
+        pytest.skip("this GPU has no native bf16")
+    graphed, plain, accumulated = tmp_path / "graphed", tmp_path / "plain", tmp_path / "accumulated"
+    shape = ("--seq-len", "256", "--batch-size", "8", "--max-steps", "12", "--save-every", "6", "--eval-every", "6")
+
+    def run(out, *extra):
+        return main(["train", "--output", str(out), "--model-size", "tiny", *shape, "--device", "cuda",
+                     "--precision", precision, "--compile", *extra])
+
+    replays, replay = [], torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(1) or replay(graph))
+    assert run(graphed) == 0
+    assert len(replays) >= 12  # a forward and a backward graph a step, once recorded
+    replays.clear()
+    assert run(plain, "--no-cuda-graphs") == 0 and replays == []
+    assert "replay as CUDA graphs" in (graphed / "train.log").read_text()
+    assert "CUDA graphs" not in (plain / "train.log").read_text()
+    losses = [[r["loss"] for r in metrics(out)] for out in (graphed, plain)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-2) and losses[0][-1] < losses[0][0]
+    assert run(graphed, "--resume", str(graphed / "checkpoints" / "step_000006")) == 0
+    assert [r["loss"] for r in metrics(graphed)][6:] == pytest.approx(losses[0][6:], rel=1e-2)
+    assert run(accumulated, "--batch-size", "4", "--grad-accum", "2") == 0
+    assert "CUDA graphs: not with 2 micro-batches a step" in (accumulated / "train.log").read_text()
+
+
 @pytest.fixture(scope="module")
 def small_base(tmp_path_factory):
     """A random Mistral-shaped base (GQA, SwiGLU) with a tokenizer trained on PT-BR sentences, and

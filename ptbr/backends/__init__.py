@@ -75,6 +75,10 @@ class Backend(Protocol):
         """A start-up line on how the step computes its loss for micro-batches of up to `tokens`
         tokens, or None when there is nothing to say."""
 
+    def describe_compile(self, step: TrainingStep, micro_batches: int, tokens: int) -> str | None:
+        """A start-up line on --compile for steps of `micro_batches` micro-batches of `tokens`
+        tokens each, or None where the backend has none."""
+
     def is_out_of_memory(self, exc: BaseException) -> bool: ...
 
     def release_memory(self) -> None: ...

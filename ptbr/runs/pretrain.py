@@ -99,8 +99,9 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     if loss:
         log(loss)
     if settings.compile:
-        log("--compile: the first step compiles the forward pass (with the loss where it takes the whole logits) "
-            "with torch.compile (tens of seconds on a CPU; a later run of the same shapes reuses the compiled code)")
+        described = backend.describe_compile(step, settings.grad_accum, settings.batch_size * settings.seq_len)
+        if described:
+            log(described)
     state = start_state(step, resume)
 
     write_run_config(run_dir, "train", settings, backend, resume, {

@@ -117,6 +117,10 @@ class MlxBackend:
         """MLX computes its own loss over the whole logits: --chunked-loss is the torch backend's."""
         return None
 
+    def describe_compile(self, step: MlxStep, micro_batches: int, tokens: int) -> str | None:
+        """--compile is the torch backend's (refused with MLX, whose step is always compiled)."""
+        return None
+
     # ---- memory -----------------------------------------------------------------------------
 
     def is_out_of_memory(self, exc: BaseException) -> bool:

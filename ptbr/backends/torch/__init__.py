@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from pathlib import Path
 
 from ptbr.backends.torch.allocator import keep_freed_memory
@@ -95,7 +96,8 @@ class TorchBackend:
                              chunked_loss=settings.chunked_loss)
         optimizer = build_optimizer(model, settings, self.placement.device)
         return TorchStep(model, optimizer, self.placement, settings.max_grad_norm, self.world, self.parallel(model),
-                         compile=settings.compile, chunked_loss=settings.chunked_loss)
+                         compile=settings.compile, chunked_loss=settings.chunked_loss, cuda_graphs=settings.cuda_graphs,
+                         gradient_checkpointing=settings.gradient_checkpointing)
 
     def parameter_count(self, step: TorchStep) -> int:
         from ptbr.backends.torch.models import count_parameters
@@ -154,6 +156,14 @@ class TorchBackend:
         return line + (f"take the whole logits (fewer than {fewest}: below that the output layer's gradient, "
                        "which the chunked loss makes in the forward pass, outweighs the logits it saves)")
 
+    def describe_compile(self, step: TorchStep, micro_batches: int, tokens: int) -> str:
+        """The start-up line on --compile: what compiles when, and whether steps of `micro_batches`
+        micro-batches of `tokens` tokens replay as CUDA graphs."""
+        line = ("--compile: the first step compiles the forward pass (with the loss where it takes the whole logits) "
+                "with torch.compile (tens of seconds on a CPU; a later run of the same shapes reuses the compiled code)")
+        graphs = step.cuda_graphs_line(micro_batches, tokens)
+        return f"{line}; {graphs}" if graphs else line
+
     def write_adapter(self, adapted, directory: Path) -> None:
         """PEFT's adapter_model.safetensors and adapter_config.json."""
         adapted.model.save_pretrained(str(directory), safe_serialization=True)
@@ -180,8 +190,13 @@ class TorchBackend:
         return f"process RSS {psutil.Process().memory_info().rss:,} B"
 
     def release_memory(self) -> None:
+        """What a failed step (or a probe) held, back to the device: for a compiled run also the
+        compiled code and its CUDA graphs, whose private memory pool outlives the step (the next
+        try, at another batch size, compiles anew anyway)."""
         import torch
 
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

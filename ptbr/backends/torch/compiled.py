@@ -78,12 +78,26 @@ def check_compile(device, processes: int) -> None:
         raise ConfigError(f"--compile: {'; '.join(problems)}", None, ", or ".join(fixes))
 
 
-def compile_loss(loss):
+def compile_loss(loss, cuda_graphs: bool = False):
     """`loss` (module, batch) -> summed cross-entropy, compiled; shapes are static (pretraining's
-    are fixed: one compile per micro-batch shape)."""
+    are fixed: one compile per micro-batch shape). `cuda_graphs`: torch.compile's reduce-overhead
+    mode, where the compiled forward and backward passes are recorded once as CUDA graphs and then
+    replayed, one launch for the hundreds of kernels a small model's step is made of (the caller
+    marks each step's start: ptbr/backends/torch/step.py)."""
     import torch
 
-    return torch.compile(loss, dynamic=False)
+    return torch.compile(loss, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+
+
+def cuda_graphs_refusal(device_type: str, gradient_checkpointing: bool) -> str | None:
+    """Why a compiled run's steps cannot replay as CUDA graphs here (None: they can, in a step of
+    one micro-batch; under gradient accumulation the second micro-batch's replay would overwrite
+    the first one's gradients, which live in the graphs' memory until the update)."""
+    if device_type != "cuda":
+        return "CUDA graphs are for CUDA GPUs"
+    if gradient_checkpointing:
+        return "not with --gradient-checkpointing (its recomputation under CUDA graphs is untested)"
+    return None
 
 
 @contextmanager
@@ -94,7 +108,9 @@ def deterministic_kernels():
     threads, whose order, and so whose float rounding, changes from run to run: a resumed run
     would drift from the uninterrupted one in the last bits. In deterministic mode it calls torch's
     own kernel for it instead; the same code then gives the same numbers every run (checked on CPU;
-on a GPU without CUBLAS_WORKSPACE_CONFIG, cuBLAS may still vary, with a warning)."""
+    on a GPU, attention's backward kernels still add atomically, cuDNN's and flash attention's,
+    whose notice that they do the CLI hides, see ptbr/cli.py; cuBLAS gave no notice on an H100
+    under CUDA 13)."""
     import torch
     from torch.utils import deterministic
 
@@ -107,3 +123,4 @@ on a GPU without CUBLAS_WORKSPACE_CONFIG, cuBLAS may still vary, with a warning)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         deterministic.fill_uninitialized_memory = before[2]
+

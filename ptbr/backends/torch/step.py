@@ -23,7 +23,8 @@ class TorchStep:
     """
 
     def __init__(self, model, optimizer, placement, max_grad_norm: float, world=None, parallel=None,
-                 sharded: bool = False, compile: bool = False, *, chunked_loss: bool, right_padded: bool = False):
+                 sharded: bool = False, compile: bool = False, *, chunked_loss: bool, right_padded: bool = False,
+                 cuda_graphs: bool = False, gradient_checkpointing: bool = False):
         import torch
 
         self.model = model  # the module itself: evaluation and saving go through it
@@ -90,13 +91,24 @@ class TorchStep:
         # a second compile, for a few batches)
         self._train_loss, self._kernels = self._loss_sum, nullcontext
         self.compiled = compile
+        # --cuda-graphs (under --compile on a CUDA GPU): a step of one micro-batch whose loss is
+        # compiled with the forward pass replays it as CUDA graphs; why not, where it cannot
+        self._graphed_whole, self.cuda_graphs_why_not = None, None
         if compile:
-            from ptbr.backends.torch.compiled import compile_loss, deterministic_kernels
+            from ptbr.backends.torch.compiled import (
+                compile_loss,
+                cuda_graphs_refusal,
+                deterministic_kernels,
+            )
 
             self._kernels = deterministic_kernels
             self._compiled_whole = compile_loss(self._whole_loss_sum)
             self._compiled_hidden = compile_loss(self._decoder_hidden_states) if self.head is not None else None
             self._train_loss = self._compiled_loss_sum
+            if cuda_graphs:
+                self.cuda_graphs_why_not = cuda_graphs_refusal(placement.device.type, gradient_checkpointing)
+                if self.cuda_graphs_why_not is None:  # compiled at its first call, never if no step takes it
+                    self._graphed_whole = compile_loss(self._whole_loss_sum, cuda_graphs=True)
 
     def _to_device(self, batch: Batch) -> dict:
         """On a GPU the copy is queued from pinned memory, so that it runs while the GPU computes."""
@@ -159,13 +171,47 @@ class TorchStep:
         with self.placement.autocast():
             return module.get_decoder()(**_inputs(batch)).last_hidden_state
 
-    def _compiled_loss_sum(self, module, batch: dict):
+    def _compiled_loss_sum(self, module, batch: dict, graphs: bool = False):
         """--compile: the decoder compiled and the chunked loss eager, or the forward pass and the
         whole logits' loss compiled together (on a CUDA GPU also for micro-batches that the chunked
-        loss would take, where their 16-bit logits are small enough: faster there)."""
-        if self._chunks(batch) and not self.compiles_whole_logits(batch["labels"].numel()):
+        loss would take, where their 16-bit logits are small enough: faster there). `graphs`: the
+        latter replayed as CUDA graphs (a step of this one micro-batch, where they can run)."""
+        if not self._compiles_whole(batch["labels"].numel()):
             return self._chunked_loss_sum(self._compiled_hidden(module, batch), self.head.weight, batch)
+        if graphs and self._graphed_whole is not None:
+            import torch
+
+            # a new step: the previous replay's outputs (its loss, its gradients) are used and let go
+            torch.compiler.cudagraph_mark_step_begin()
+            return self._graphed_whole(module, batch)
         return self._compiled_whole(module, batch)
+
+    def _compiles_whole(self, tokens: int) -> bool:
+        """--compile: whether a micro-batch of `tokens` tokens has its loss compiled with the forward
+        pass (else the decoder alone is compiled, and the chunked loss runs eager on it)."""
+        return not (self.head is not None and tokens >= self._chunked_from) or self.compiles_whole_logits(tokens)
+
+    def graphs_step(self, micro_batches: int, tokens: int) -> bool:
+        """Whether a step of `micro_batches` micro-batches of `tokens` tokens replays as CUDA graphs:
+        one whose loss is compiled with the forward pass, where they can run (several: the second
+        replay would overwrite the first one's gradients, which live in the graphs' memory until the
+        update; the chunked loss runs eager on the compiled decoder, not measured under them)."""
+        return self._graphed_whole is not None and micro_batches == 1 and self._compiles_whole(tokens)
+
+    def cuda_graphs_line(self, micro_batches: int, tokens: int) -> str | None:
+        """What --cuda-graphs does for steps of `micro_batches` micro-batches of `tokens` tokens, in
+        words (None: nothing to say, off or not on a CUDA GPU)."""
+        if self.graphs_step(micro_batches, tokens):
+            return "each step's compiled forward and backward passes then replay as CUDA graphs (--no-cuda-graphs: without)"
+        if self.cuda_graphs_why_not and self.placement.device.type == "cuda":
+            return f"CUDA graphs: {self.cuda_graphs_why_not}"
+        if self._graphed_whole is None:
+            return None
+        if not self._compiles_whole(tokens):
+            return ("CUDA graphs: not where the chunked loss runs eager on the compiled decoder (fp32, or 16-bit "
+                    "logits above 1 GiB; --no-chunked-loss takes them)")
+        return (f"CUDA graphs: not with {micro_batches} micro-batches a step (a second replay would overwrite the "
+                "first one's gradients; --grad-accum 1 with a larger --batch-size takes them)")
 
     def _sync_gradients(self, sync: bool):
         """DDP and FSDP reduce gradients across ranks on the last micro-batch of a step only."""
@@ -194,9 +240,11 @@ class TorchStep:
         total = torch.zeros((), device=self.placement.device)
         # every micro-batch's copy queued up front: on a GPU they travel while the first computes
         on_device = [self._to_device(batch) for batch in micro_batches]
+        graphs = self.graphs_step(len(on_device), on_device[0]["labels"].numel())
         for index, batch in enumerate(on_device):
             with self._sync_gradients(index == len(micro_batches) - 1), self._kernels():
-                loss_sum = self._train_loss(module, batch)
+                loss_sum = (self._compiled_loss_sum(module, batch, graphs=True) if graphs
+                            else self._train_loss(module, batch))
                 self.scaler.scale(loss_sum * self.world.size / targets).backward()
             total += loss_sum.detach()
         self.scaler.unscale_(self.optimizer)
@@ -218,6 +266,8 @@ class TorchStep:
             skipped = not math.isfinite(loss)
         elif not skipped:
             self.optimizer.step()
+        # set_to_none: under CUDA graphs the gradients live in the graphs' memory, which the next
+        # step's replay overwrites; they must be let go here, not zeroed in place
         self.optimizer.zero_grad(set_to_none=True)
         self.gathered = False
         return StepResult(loss, grad_norm, targets, inputs, skipped)

@@ -11,8 +11,9 @@ Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead
             the same LlamaForCausalLM, token windows, batch, sequence length, precision and AdamW
             (fused), for tiny and 85m (and 400m on a GPU, with MFU), and against ptbr's own
             --no-chunked-loss; with --compile against the Trainer's torch_compile (on a GPU also
-            against ptbr's own --compile --no-cuda-graphs); and from those same runs, the time from
-            the command to its first completed step.
+            against the Trainer in torch.compile's reduce-overhead mode, left out with a note if it
+            fails, and ptbr's own --compile --no-cuda-graphs); and from those same runs, the time
+            from the command to its first completed step.
   vocab32k  the same at a 32k vocabulary (random tokens; tiny, batch 8 x 256), where ptbr's chunked
             loss makes several chunks: tokens/s and peak memory against the Trainer, the plain loop and ptbr's
             own --no-chunked-loss; and ptbr --compile against --compile --no-chunked-loss (on a GPU
@@ -66,6 +67,8 @@ PRETRAIN_SHAPES = {
 # the pretraining rows' vocabulary: 0 is the bundled sample's (2,048 tokens, a small dataset);
 # on a GPU, random tokens over 32,000 (a real PT-BR tokenizer's size, the output layer's real cost)
 PRETRAIN_VOCAB = {"cpu": 0, "cuda": 32000}
+# references that may not run everywhere: one that fails is left out of its section, with a note
+OPTIONAL_REFERENCES = {"hf_trainer_compile_graphs": "HF Trainer, torch_compile=True, torch_compile_mode=reduce-overhead"}
 # dense bf16/fp16 tensor-core peaks (FLOP/s), by a word of torch.cuda.get_device_name()
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12,
                   "A10": 125e12, "V100": 125e12, "T4": 65e12, "P100": 19e12}
@@ -91,15 +94,31 @@ def run_worker(kind: str, spec: dict) -> dict:
     return result | {"first_step_s": first_step, "wall_s": time.perf_counter() - started}
 
 
-def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int) -> dict[str, list[dict]]:
-    """Every contender once per round, in a rotating order, so that none always runs first."""
+def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int, optional: frozenset = frozenset(),
+                failed: dict[str, str] | None = None) -> dict[str, list[dict]]:
+    """Every contender once per round, in a rotating order, so that none always runs first. A
+    contender named in `optional` that fails is left out from then on (its first line of error in
+    `failed`) instead of ending the section: a reference setting that may not run everywhere."""
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
     names = list(contenders)
     for round_index in range(rounds):
         for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+            if name not in runs:
+                continue
             kind, spec = contenders[name]
             spec = dict(spec, output=str(Path(spec["output"]) / f"{name}-{round_index}"))
-            runs[name].append(run_worker(kind, spec))
+            try:
+                runs[name].append(run_worker(kind, spec))
+            except RuntimeError as error:
+                if name not in optional:
+                    raise
+                del runs[name]
+                last = [line for line in str(error).splitlines() if line.strip()][-1:] or ["no output"]
+                if failed is not None:
+                    failed[name] = f"{str(error).splitlines()[0].rstrip(':')}: {last[0].strip()[:200]}"
+                print(f"  {name} round {round_index + 1}: failed, left out ({failed.get(name) if failed else error})",
+                      flush=True)
+                continue
             print(f"  {name} round {round_index + 1}: {summary(runs[name][-1])}", flush=True)
     return runs
 
@@ -202,13 +221,17 @@ def pretrain_section(args, work: Path) -> list[dict]:
         if not args.no_compile:  # torch.compile on both sides: ptbr's --compile, the Trainer's torch_compile
             contenders |= {"ptbr_compile": ("ptbr-pretrain", dict(spec, flags=["--compile"], cold_compile=True)),
                            "hf_trainer_compile": ("hf-pretrain", dict(spec, torch_compile=True, cold_compile=True))}
-            if args.device == "cuda":  # --compile replays its steps as CUDA graphs there: the lever alone
+            if args.device == "cuda":  # --compile replays its steps as CUDA graphs there: the lever alone, and
+                # the Trainer told to do the same (torch.compile's reduce-overhead mode; it may not run)
                 contenders["ptbr_compile_no_graphs"] = ("ptbr-pretrain", dict(spec, flags=["--compile", "--no-cuda-graphs"],
                                                                               cold_compile=True))
+                contenders["hf_trainer_compile_graphs"] = ("hf-pretrain", dict(
+                    spec, torch_compile=True, torch_compile_mode="reduce-overhead", cold_compile=True))
         if default_is_bf16:  # what each runs when left to its defaults, and both in bf16
             contenders |= {"ptbr_default": ("ptbr-pretrain", dict(spec, flags=["--precision", "auto"])),
                            "hf_trainer_bf16": ("hf-pretrain", dict(spec, precision="bf16"))}
-        runs = interleaved(contenders, args.rounds)
+        failed: dict[str, str] = {}
+        runs = interleaved(contenders, args.rounds, frozenset(OPTIONAL_REFERENCES), failed)
         tokens = batch_size * seq_len
         step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
         first = {name: [r["first_step_s"] for r in rs] for name, rs in runs.items()}
@@ -226,6 +249,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
                       ("ptbr_compile", "hf_trainer_compile", "HF Trainer, torch_compile=True")]
             if "ptbr_compile_no_graphs" in contenders:
                 pairs.append(("ptbr_compile", "ptbr_compile_no_graphs", "ptbr --compile --no-cuda-graphs"))
+            if "hf_trainer_compile_graphs" in runs:
+                pairs.append(("ptbr_compile", "hf_trainer_compile_graphs", OPTIONAL_REFERENCES["hf_trainer_compile_graphs"]))
         if default_is_bf16:
             pairs += [("ptbr_default", "hf_trainer", "HF Trainer (its default: fp32)"),
                       ("ptbr_default", "hf_trainer_bf16", "HF Trainer, bf16=True")]
@@ -251,6 +276,8 @@ def pretrain_section(args, work: Path) -> list[dict]:
             rows.append(row("startup", f"command to first step, pretrain {size}", "seconds", "s", "HF Trainer",
                             statistics.median(first["hf_trainer"]), statistics.median(first["ptbr"]),
                             paired_ratio(first["ptbr"], first["hf_trainer"]), command))
+        if failed:  # shown under the table
+            rows[first_row]["failed_references"] = {OPTIONAL_REFERENCES[name]: message for name, message in failed.items()}
         if args.device == "cpu":
             rows[first_row].update(matmul_floor_row(spec, statistics.median(
                 paired_ratio(step["plain_loop"], step["hf_trainer"]))))
@@ -552,6 +579,8 @@ def markdown(result: dict) -> str:
                     else "its steps were no faster here")
             notes.append(f"- {r['name']}: compiling took {r['compile_s']:.0f} s more before the first step, from an "
                          f"empty cache (a later run of the same shapes reuses it); {pays}.")
+        for name, message in (r.get("failed_references") or {}).items():
+            notes.append(f"- {r['name']}: the reference \"{name}\" failed and is left out ({message}).")
         if r.get("matmul_ceiling"):
             notes.append(f"- {r['name']}: matrix multiplies are {1000 * r['matmul_s']:,.0f} ms of the plain loop's "
                          f"{1000 * r['floor_step_s']:,.0f} ms step ({100 * r['matmul_share']:.0f}%, one process): even "

@@ -123,7 +123,8 @@ def hf_pretrain(spec: dict) -> None:
         lr_scheduler_type="cosine", warmup_steps=1, optim="adamw_torch_fused", logging_steps=10,
         save_strategy="no", report_to="none", dataloader_num_workers=0, use_cpu=spec["device"] == "cpu",
         bf16=spec["precision"] == "bf16", fp16=spec["precision"] == "fp16", disable_tqdm=True, seed=1337,
-        torch_compile=spec.get("torch_compile", False))
+        torch_compile=spec.get("torch_compile", False),
+        **({"torch_compile_mode": spec["torch_compile_mode"]} if spec.get("torch_compile_mode") else {}))
     Trainer(model=model, args=args, train_dataset=rows, callbacks=[step_clock(spec, ends)]).train()
     report({"step_s": timed_steps(ends, spec["warmup"], spec["steps"]), "peak_memory_bytes": peak_memory_bytes(spec["device"])})
 

@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -69,6 +70,8 @@ PRETRAIN_SHAPES = {
 PRETRAIN_VOCAB = {"cpu": 0, "cuda": 32000}
 # references that may not run everywhere: one that fails is left out of its section, with a note
 OPTIONAL_REFERENCES = {"hf_trainer_compile_graphs": "HF Trainer, torch_compile=True, torch_compile_mode=reduce-overhead"}
+# contenders that run CUDA graphs on a GPU (torch.compile's reduce-overhead mode), by their labels
+GRAPHED_CONTENDERS = {"ptbr_compile": "ptbr --compile", "hf_trainer_compile_graphs": OPTIONAL_REFERENCES["hf_trainer_compile_graphs"]}
 # dense bf16/fp16 tensor-core peaks (FLOP/s), by a word of torch.cuda.get_device_name()
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 125e12,
                   "A10": 125e12, "V100": 125e12, "T4": 65e12, "P100": 19e12}
@@ -97,8 +100,8 @@ def run_worker(kind: str, spec: dict) -> dict:
 def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int, optional: frozenset = frozenset(),
                 failed: dict[str, str] | None = None) -> dict[str, list[dict]]:
     """Every contender once per round, in a rotating order, so that none always runs first. A
-    contender named in `optional` that fails is left out from then on (its first line of error in
-    `failed`) instead of ending the section: a reference setting that may not run everywhere."""
+    contender named in `optional` that fails is left out from then on, its earlier rounds too (why,
+    in `failed`), instead of ending the section: a reference setting that may not run everywhere."""
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
     names = list(contenders)
     for round_index in range(rounds):
@@ -112,15 +115,25 @@ def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int, optional: 
             except RuntimeError as error:
                 if name not in optional:
                     raise
-                del runs[name]
-                last = [line for line in str(error).splitlines() if line.strip()][-1:] or ["no output"]
+                del runs[name]  # its earlier rounds too: every pair compares the same rounds
                 if failed is not None:
-                    failed[name] = f"{str(error).splitlines()[0].rstrip(':')}: {last[0].strip()[:200]}"
+                    failed[name] = failure(str(error))
                 print(f"  {name} round {round_index + 1}: failed, left out ({failed.get(name) if failed else error})",
                       flush=True)
                 continue
             print(f"  {name} round {round_index + 1}: {summary(runs[name][-1])}", flush=True)
     return runs
+
+
+def failure(error: str) -> str:
+    """A failed worker's error in one line: run_worker's first line (which worker, its exit code) and
+    the exception its output ends with (the last line that names one: torch.compile's errors end
+    with hints about environment variables instead)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if len(lines) < 2:
+        return lines[0] if lines else "no output"
+    raised = [line for line in lines[1:] if re.match(r"[\w.]+(Error|Exception|Failed|Exit)\b", line)]
+    return f"{lines[0].rstrip(':')}: {(raised or lines)[-1][:200]}"
 
 
 def summary(run: dict) -> str:
@@ -276,6 +289,11 @@ def pretrain_section(args, work: Path) -> list[dict]:
             rows.append(row("startup", f"command to first step, pretrain {size}", "seconds", "s", "HF Trainer",
                             statistics.median(first["hf_trainer"]), statistics.median(first["ptbr"]),
                             paired_ratio(first["ptbr"], first["hf_trainer"]), command))
+        # a contender whose CUDA graphs inductor skipped ran without them: said under the table
+        skipped = {GRAPHED_CONTENDERS[name]: max(r.get("cudagraph_skips", 0) for r in rs)
+                   for name, rs in runs.items() if name in GRAPHED_CONTENDERS and args.device == "cuda"}
+        if any(skipped.values()):
+            rows[first_row]["cudagraph_skips"] = {label: count for label, count in skipped.items() if count}
         if failed:  # shown under the table
             rows[first_row]["failed_references"] = {OPTIONAL_REFERENCES[name]: message for name, message in failed.items()}
         if args.device == "cpu":
@@ -581,6 +599,9 @@ def markdown(result: dict) -> str:
                          f"empty cache (a later run of the same shapes reuses it); {pays}.")
         for name, message in (r.get("failed_references") or {}).items():
             notes.append(f"- {r['name']}: the reference \"{name}\" failed and is left out ({message}).")
+        for label, count in (r.get("cudagraph_skips") or {}).items():
+            notes.append(f"- {r['name']}: \"{label}\" ran without CUDA graphs in {count} compiled function(s) "
+                         "(inductor skipped them; its log says why).")
         if r.get("matmul_ceiling"):
             notes.append(f"- {r['name']}: matrix multiplies are {1000 * r['matmul_s']:,.0f} ms of the plain loop's "
                          f"{1000 * r['floor_step_s']:,.0f} ms step ({100 * r['matmul_share']:.0f}%, one process): even "
@@ -604,8 +625,12 @@ def kept_rows(path: Path, new_rows: list[dict]) -> list[dict]:
     if not path.is_file():
         return []
     replaced = {(r["section"], r["name"], r["metric"], r["reference"]) for r in new_rows}
+    # a reference that failed this time (left out, with a note) takes its earlier rows of that shape with it
+    failed = [(r["section"], r["name"], label) for r in new_rows for label in r.get("failed_references") or {}]
     return [r for r in json.loads(path.read_text())["rows"]
-            if (r["section"], r["name"], r["metric"], r["reference"]) not in replaced and r["section"] != "mlx"]
+            if (r["section"], r["name"], r["metric"], r["reference"]) not in replaced and r["section"] != "mlx"
+            and not any(r["section"] == section and r["name"].startswith(name) and r["reference"] == label
+                        for section, name, label in failed)]
 
 
 def percent(share: float) -> str:

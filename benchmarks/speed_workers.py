@@ -27,6 +27,13 @@ FIRST_STEP = "FIRST_STEP"
 
 
 def report(result: dict) -> None:
+    """The worker's result, with how many compiled functions inductor ran without the CUDA graphs
+    they were compiled for (reduce-overhead mode; it says why in its log only), where torch.compile
+    ran in this process."""
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.utils import counters
+
+        result = result | {"cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -324,3 +324,30 @@ def test_preflight_checks_what_train_would_refuse():
     assert check.status == "fail" and "no C++ compiler found" in check.message and "install one" in check.fix
     (check,) = check_compile_request(asked, "mlx", machine)
     assert check.status == "fail" and "a torch backend option" in check.message
+
+
+def test_preflight_says_what_cuda_graphs_will_do_on_a_gpu(monkeypatch):
+    """On a CUDA target, preflight's --compile check says whether the steps will replay as CUDA
+    graphs, as train's start-up line will (the GPU's own checks are train's, stubbed here)."""
+    from ptbr.backends.torch import compiled
+    from ptbr.config import PretrainConfig
+    from ptbr.preflight.checks import check_compile_request
+    from ptbr.preflight.hardware import Hardware
+
+    monkeypatch.setattr(compiled, "check_compile", lambda device, processes: None)
+    machine = Hardware("Linux", 2, 8 << 30, 8 << 30)
+
+    def said(**settings) -> str:
+        (check,) = check_compile_request(PretrainConfig(compile=True, **settings), "cuda", machine)
+        assert check.status == "pass"
+        return check.message.split("; ", 1)[1] if "; " in check.message else ""
+
+    assert said() == ("steps whose loss is compiled with the forward pass replay as CUDA graphs "
+                      "(--no-cuda-graphs: without)")
+    assert said(grad_accum=4) == ("CUDA graphs: not with 4 micro-batches a step (--grad-accum 1 with a larger "
+                                  "--batch-size takes them)")
+    assert said(gradient_checkpointing=True) == ("CUDA graphs: not with --gradient-checkpointing (its recomputation "
+                                                 "under CUDA graphs is untested)")
+    assert said(cuda_graphs=False) == ""
+    (check,) = check_compile_request(PretrainConfig(compile=True), "cpu", machine)
+    assert "CUDA graphs" not in check.message

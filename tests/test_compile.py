@@ -344,8 +344,8 @@ def test_preflight_says_what_cuda_graphs_will_do_on_a_gpu(monkeypatch):
 
     assert said() == ("steps whose loss is compiled with the forward pass replay as CUDA graphs "
                       "(--no-cuda-graphs: without)")
-    assert said(grad_accum=4) == ("CUDA graphs: not with 4 micro-batches a step (--grad-accum 1 with a larger "
-                                  "--batch-size takes them)")
+    assert said(grad_accum=4) == ("CUDA graphs: not with 4 micro-batches a step (a second replay would overwrite "
+                                  "the first one's gradients; --grad-accum 1 with a larger --batch-size takes them)")
     assert said(gradient_checkpointing=True) == ("CUDA graphs: not with --gradient-checkpointing (its recomputation "
                                                  "under CUDA graphs is untested)")
     assert said(cuda_graphs=False) == ""

@@ -99,7 +99,11 @@ def check_compile_request(settings, target: str, hardware: Hardware) -> list[Che
                       "compiles its step)", "leave --compile out, or use --backend torch")]
     import torch
 
-    from ptbr.backends.torch.compiled import check_compile, cuda_graphs_refusal
+    from ptbr.backends.torch.compiled import (
+        accumulation_refusal,
+        check_compile,
+        cuda_graphs_refusal,
+    )
 
     try:
         check_compile(torch.device(target), requested_processes(hardware, target, settings))
@@ -109,8 +113,7 @@ def check_compile_request(settings, target: str, hardware: Hardware) -> list[Che
     if target == "cuda" and getattr(settings, "cuda_graphs", False):  # what --cuda-graphs will do (train's line)
         refused = cuda_graphs_refusal(target, settings.gradient_checkpointing)
         if refused is None and settings.grad_accum > 1:
-            refused = (f"not with {settings.grad_accum} micro-batches a step (--grad-accum 1 with a larger "
-                       "--batch-size takes them)")
+            refused = accumulation_refusal(settings.grad_accum)
         message += (f"; CUDA graphs: {refused}" if refused else
                     "; steps whose loss is compiled with the forward pass replay as CUDA graphs (--no-cuda-graphs: "
                     "without)")

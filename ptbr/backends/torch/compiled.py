@@ -100,6 +100,12 @@ def cuda_graphs_refusal(device_type: str, gradient_checkpointing: bool) -> str |
     return None
 
 
+def accumulation_refusal(micro_batches: int) -> str:
+    """Why steps of several micro-batches take no CUDA graphs (train's start-up line, preflight)."""
+    return (f"not with {micro_batches} micro-batches a step (a second replay would overwrite the first one's "
+            "gradients; --grad-accum 1 with a larger --batch-size takes them)")
+
+
 @contextmanager
 def deterministic_kernels():
     """torch's deterministic mode (warnings only where an op has no deterministic kernel) while a
@@ -123,4 +129,3 @@ def deterministic_kernels():
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         deterministic.fill_uninitialized_memory = before[2]
-

@@ -210,8 +210,9 @@ class TorchStep:
         if not self._compiles_whole(tokens):
             return ("CUDA graphs: not where the chunked loss runs eager on the compiled decoder (fp32, or 16-bit "
                     "logits above 1 GiB; --no-chunked-loss takes them)")
-        return (f"CUDA graphs: not with {micro_batches} micro-batches a step (a second replay would overwrite the "
-                "first one's gradients; --grad-accum 1 with a larger --batch-size takes them)")
+        from ptbr.backends.torch.compiled import accumulation_refusal
+
+        return f"CUDA graphs: {accumulation_refusal(micro_batches)}"
 
     def _sync_gradients(self, sync: bool):
         """DDP and FSDP reduce gradients across ranks on the last micro-batch of a step only."""

@@ -156,6 +156,26 @@ def test_a_step_with_non_finite_gradients_changes_no_parameter_and_no_optimizer_
     assert_same_tensors(params_of(model), params_of(twin_model), rtol=0, atol=0)
 
 
+def test_a_non_finite_first_step_leaves_adamw_as_if_it_never_happened():
+    """A NaN loss at the very first step, before AdamW has any state, leaves the weights and no step
+    counted, and the next good step is exactly that of a run that never saw the bad one."""
+    model = tiny_model()
+    step = backend(model, adamw(model), max_grad_norm=1.0)
+    twin_model = copy.deepcopy(model)
+    twin = backend(twin_model, adamw(twin_model), max_grad_norm=1.0)
+    batch = uneven_micro_batches()
+    weights = params_of(model)
+    poisoned = model.model.norm.register_forward_hook(lambda module, args, out: out * math.nan)
+    result = step.train_step(batch, lr=1e-2)
+    poisoned.remove()
+    assert result.skipped and math.isnan(result.loss)
+    assert_same_tensors(params_of(model), weights, rtol=0, atol=0)
+    assert all(int(state["step"]) == 0 for state in step.optimizer.state.values())
+    step.train_step(batch, lr=1e-2)
+    twin.train_step(batch, lr=1e-2)
+    assert_same_tensors(params_of(model), params_of(twin_model), rtol=0, atol=0)
+
+
 def adamw(model, **settings):
     """ptbr's own optimizer (AdamW, fused on CPU, no decay on norms)."""
     return build_optimizer(model, LoopSettings(**settings), torch.device("cpu"))

@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run `ptbr ARGV`; returns the exit code."""
     try:
         try:
-            return _run(argv)
+            code = _run(argv)
         finally:
             # flushed here rather than at interpreter exit, where a reader that has gone would be an
             # 'Exception ignored ... BrokenPipeError' message and exit 120
@@ -254,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _discard(sys.stdout)
         return EXIT_BROKEN_PIPE
+    if code and "torch.distributed" in sys.modules:  # a failed rank of a data-parallel run ends at once
+        from ptbr.backends.torch.distributed import exit_a_failed_rank
+
+        exit_a_failed_rank(code)
+    return code
 
 
 class _Parser(argparse.ArgumentParser):

@@ -121,6 +121,28 @@ class TorchWorld:
             dist.destroy_process_group()
 
 
+def exit_a_failed_rank(code: int) -> None:
+    """A rank of several that fails ends here, at once, with its exit code `code`. Its process group
+    stays open (ptbr/runs/common.py closing_world: another rank may still wait in a collective for
+    this one, and destroying the group could wait with it), and the group's threads (gloo's) can
+    then abort the interpreter as it exits ("terminate called without an active exception",
+    SIGABRT): the launcher would see -6, not the rank's documented code, and the run would end with
+    exit code 1. The logs and the standard streams are flushed first; os._exit skips only the
+    interpreter's teardown. Returns where no group of several processes is open (one process, a
+    run that closed its group, the launcher itself)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that has gone, a closed stream: nothing to keep
+            pass
+    os._exit(code)
+
+
 def _import_what_would_keep_the_group_alive() -> None:
     """Some of torch's functions take the default process group as a default argument
     (`group=group.WORLD` in torch.distributed.nn.functional; FSDP's ShardedGradScaler): a module

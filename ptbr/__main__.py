@@ -1,5 +1,5 @@
 """`python -m ptbr` runs the same CLI as the `ptbr` console script."""
 
-from ptbr.cli import main
+from ptbr.cli import command
 
-raise SystemExit(main())
+raise SystemExit(command())

@@ -254,7 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _discard(sys.stdout)
         return EXIT_BROKEN_PIPE
-    if code and "torch.distributed" in sys.modules:  # a failed rank of a data-parallel run ends at once
+    return code
+
+
+def command() -> int:
+    """What the `ptbr` command and `python -m ptbr` run: main() on the command line, after which a
+    failed rank of a data-parallel run ends at once with its code (ptbr/backends/torch/distributed.py
+    exit_a_failed_rank). main() itself always returns, for callers from Python."""
+    code = main()
+    if code and "torch.distributed" in sys.modules:
         from ptbr.backends.torch.distributed import exit_a_failed_rank
 
         exit_a_failed_rank(code)
@@ -426,4 +434,4 @@ def _discard(stream) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(command())

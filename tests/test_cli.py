@@ -270,3 +270,42 @@ def test_torch_s_attention_determinism_notice_is_hidden_unless_debugging(debug):
     shown = [str(w.message) for w in caught]
     assert shown == ([notice, "Flash Attention defaults to a non-deterministic algorithm.",
                       "something a run should show"] if debug else ["something a run should show"])
+
+
+def test_a_failed_rank_of_several_ends_at_once_with_its_code_and_its_logs_flushed(tmp_path, monkeypatch, capsys):
+    """A failing rank keeps its process group open (another rank may wait in a collective for it), and
+    gloo's threads could then abort the interpreter at exit (SIGABRT: the launcher saw -6 and the run
+    ended with 1, not the rank's code). The `ptbr` command (`python -m ptbr` too) ends such a rank with
+    os._exit(its code) after its error line and logs are out; main() always returns, for callers from
+    Python; one process, or a group of one, exits as before."""
+    import logging
+
+    import torch.distributed as dist
+
+    from ptbr.cli import command
+
+    calls = []
+
+    class Exited(BaseException):
+        pass
+
+    def exit_now(code):
+        calls.append(("exit", code, capsys.readouterr().err.strip().splitlines()[-1]))
+        raise Exited
+
+    monkeypatch.setattr(logging, "shutdown", lambda *a: calls.append(("logs flushed",)))
+    monkeypatch.setattr(os, "_exit", exit_now)
+    args = ["train", "--output", str(tmp_path / "run"), "--data", str(tmp_path / "nope"), "--device", "cpu"]
+    monkeypatch.setattr(sys, "argv", ["ptbr", *args])
+    assert command() == 3 and calls == []  # no group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    size = [1]
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: size[0])
+    assert command() == 3 and calls == []  # a group of one process
+    size[0] = 2
+    assert main(args) == 3 and calls == []  # main() returns
+    capsys.readouterr()
+    with pytest.raises(Exited):
+        command()
+    assert calls[0] == ("logs flushed",)
+    assert calls[1][:2] == ("exit", 3) and calls[1][2].startswith("error: data directory not found")

@@ -127,9 +127,11 @@ def exit_a_failed_rank(code: int) -> None:
     this one, and destroying the group could wait with it), and the group's threads (gloo's) can
     then abort the interpreter as it exits ("terminate called without an active exception",
     SIGABRT): the launcher would see -6, not the rank's documented code, and the run would end with
-    exit code 1. The logs and the standard streams are flushed first; os._exit skips only the
-    interpreter's teardown. Returns where no group of several processes is open (one process, a
-    run that closed its group, the launcher itself)."""
+    exit code 1. The logs, the standard streams and C's stdio buffers are flushed first; os._exit
+    then skips the interpreter's teardown, atexit hooks included (ptbr registers none: the run's
+    lock, logs, metrics and temporary directories are released before main() returns). Returns
+    where no group of several processes is open (one process, a run that closed its group, the
+    launcher itself)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -140,6 +142,12 @@ def exit_a_failed_rank(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a reader that has gone, a closed stream: nothing to keep
             pass
+    try:  # what native code wrote through C's stdio (a rank's output redirected to a file is buffered)
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)
 
 

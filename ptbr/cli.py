@@ -262,10 +262,10 @@ def command() -> int:
     failed rank of a data-parallel run ends at once with its code (ptbr/backends/torch/distributed.py
     exit_a_failed_rank). main() itself always returns, for callers from Python."""
     code = main()
-    if code and "torch.distributed" in sys.modules:
-        from ptbr.backends.torch.distributed import exit_a_failed_rank
+    if code:
+        from ptbr.commands import end_a_failed_rank
 
-        exit_a_failed_rank(code)
+        end_a_failed_rank(code)
     return code
 
 

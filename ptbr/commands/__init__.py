@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from ptbr.config import PRESETS, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError, collect
@@ -16,6 +17,15 @@ def settings_from_args(cls: type, args: argparse.Namespace):
     names = [f.name for f, _ in settings_fields(cls)]
     overrides = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return build_settings(cls, file_values, overrides, source=args.config or "flags")
+
+
+def end_a_failed_rank(code: int) -> None:
+    """After a command failed with `code`: a rank of a data-parallel run whose process group is still
+    open ends at once (ptbr/backends/torch/distributed.py exit_a_failed_rank); otherwise nothing."""
+    if code and "torch.distributed" in sys.modules:  # no torch imported: no group
+        from ptbr.backends.torch.distributed import exit_a_failed_rank
+
+        exit_a_failed_rank(code)
 
 
 def processes_to_launch(settings) -> int:

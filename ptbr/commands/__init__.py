@@ -22,7 +22,7 @@ def settings_from_args(cls: type, args: argparse.Namespace):
 def end_a_failed_rank(code: int) -> None:
     """After a command failed with `code`: a rank of a data-parallel run whose process group is still
     open ends at once (ptbr/backends/torch/distributed.py exit_a_failed_rank); otherwise nothing."""
-    if code and "torch.distributed" in sys.modules:  # no torch imported: no group
+    if "torch.distributed" in sys.modules:  # no torch imported: no group
         from ptbr.backends.torch.distributed import exit_a_failed_rank
 
         exit_a_failed_rank(code)

@@ -411,6 +411,16 @@ def compiled_whole_logits(tokens: int, vocab_size: int, precision: str, device: 
             and 2 * tokens * vocab_size <= COMPILED_WHOLE_LOGITS_BYTES)
 
 
+def loss_compiled_with_forward(tokens: int, vocab_size: int, chunked_from: int | None, precision: str,
+                               device: str) -> bool:
+    """`ptbr train --compile`: whether a micro-batch of `tokens` tokens has its loss compiled with
+    the forward pass, over the whole logits (else the decoder alone is compiled and the chunked
+    loss runs eager on it, which CUDA graphs do not take). `chunked_from`: the fewest tokens that
+    the chunked loss takes (chunked_loss_from), None where it takes none (--no-chunked-loss, an
+    output layer it cannot take). The one rule for train's step and preflight's plan."""
+    return chunked_from is None or tokens < chunked_from or compiled_whole_logits(tokens, vocab_size, precision, device)
+
+
 def chunk_tokens(vocab_size: int, device: str = "cpu", summed_hidden: int = 0) -> int:
     """Tokens per chunk of the chunked loss (ptbr/backends/torch/loss.py) on `device` (a torch
     device type): 32 MiB of fp32 logits (the CPU's caches), 256 MiB on a CUDA GPU; and at least

@@ -351,3 +351,62 @@ def test_preflight_says_what_cuda_graphs_will_do_on_a_gpu(monkeypatch):
     assert said(cuda_graphs=False) == ""
     (check,) = check_compile_request(PretrainConfig(compile=True), "cpu", machine)
     assert "CUDA graphs" not in check.message
+
+
+def test_preflight_and_train_agree_on_which_steps_replay_as_cuda_graphs(monkeypatch):
+    """ptbr.memory.loss_compiled_with_forward is the one rule: preflight's --compile line on a CUDA
+    target refuses CUDA graphs for exactly the micro-batches whose loss train's compiled step runs
+    eager on the compiled decoder (fp32 under the chunked loss; 16-bit logits above 1 GiB), and says
+    the steps replay otherwise (the step built on CPU, with the GPU's rule widened to it)."""
+    from ptbr import memory
+    from ptbr.backends.torch import compiled
+    from ptbr.backends.torch.device import resolve_precision
+    from ptbr.backends.torch.models import build_model
+    from ptbr.backends.torch.step import TorchStep, build_optimizer
+    from ptbr.config import PretrainConfig, get_preset
+    from ptbr.preflight.checks import check_compile_request
+    from ptbr.preflight.hardware import Hardware
+
+    monkeypatch.setattr(memory, "COMPILED_WHOLE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(compiled, "check_compile", lambda device, processes: None)
+    machine = Hardware("Linux", 2, 8 << 30, 8 << 30)
+    vocab, preset = 32000, get_preset("tiny")
+    arch = memory.Architecture.from_preset(preset, vocab)
+    refused = {}
+    for precision in ("fp32", "bf16"):
+        for chunked in (True, False):
+            model = build_model(preset, vocab, 0, 0)
+            step = TorchStep(model, build_optimizer(model, PretrainConfig(), torch.device("cpu")),
+                             resolve_precision(torch.device("cpu"), precision), 1.0, compile=True, chunked_loss=chunked)
+            for batch, seq in ((1, 64), (8, 256), (80, 256)):  # 64 tokens, fewer than tiny's hidden size; 1.3 GB
+                planned = PretrainConfig(compile=True, precision=precision, chunked_loss=chunked, batch_size=batch,
+                                         seq_len=seq)
+                (check,) = check_compile_request(planned, "cuda", machine, arch, planned)
+                said = check.message.split("; ", 1)[1]
+                assert said in (f"CUDA graphs: {compiled.EAGER_LOSS_REFUSAL}", compiled.GRAPHS_REPLAY)
+                refused[precision, chunked, batch] = said != compiled.GRAPHS_REPLAY
+                assert refused[precision, chunked, batch] == (not step._compiles_whole(batch * seq))
+    assert [key for key, no in refused.items() if no] == [("fp32", True, 1), ("fp32", True, 8), ("fp32", True, 80),
+                                                         ("bf16", True, 80)]
+
+
+def test_preflight_plans_cuda_graphs_for_the_precision_and_batch_the_run_will_take(tmp_path, monkeypatch):
+    """run_preflight hands the plan (auto's precision resolved for the GPU) to the --compile check:
+    on an H100, `auto` is bf16 and the steps replay as CUDA graphs; `--precision fp32` runs the
+    chunked loss eager, and the line says so, as train's start-up line will."""
+    from ptbr.backends.torch import compiled
+    from ptbr.config import PretrainConfig
+    from ptbr.preflight import run_preflight
+    from tests.test_preflight import MACHINES
+
+    monkeypatch.setattr(compiled, "check_compile", lambda device, processes: None)
+
+    def said(**settings) -> str:
+        result = run_preflight(PretrainConfig(compile=True, output=str(tmp_path / "plan"), **settings),
+                               MACHINES["h100"], write=False)
+        (check,) = [c for c in result.checks if c.name == "settings.compile"]
+        return check.message.split("; ", 1)[1]
+
+    assert said() == compiled.GRAPHS_REPLAY
+    assert said(precision="fp32") == f"CUDA graphs: {compiled.EAGER_LOSS_REFUSAL}"
+    assert said(precision="fp32", chunked_loss=False) == compiled.GRAPHS_REPLAY

@@ -106,7 +106,7 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
             if load_weights and tokenizer is not None:
                 checks.append(load_test(settings))
 
-    checks += check_packages(mode, target, quant, versions) + check_compile_request(settings, target, hardware)
+    checks += check_packages(mode, target, quant, versions)
     if target == "mlx":
         checks += check_mlx_backend(hardware.apple_silicon)
 
@@ -125,6 +125,7 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
         trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(settings.lora_r)
         needed, one = checkpoint_plan(planned, arch.parameters, trainable, examples)
         sizes = {"parameters": arch.parameters, "trainable": trainable}
+    checks += check_compile_request(settings, target, hardware, arch, recommendation and recommendation.settings)
     checks += check_output(settings.output, needed, one, hardware.in_kaggle)
     checks += check_kaggle(hardware, settings.output)
 

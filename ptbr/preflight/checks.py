@@ -14,7 +14,7 @@ from typing import Any
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
-from ptbr.memory import GIB, experts_of
+from ptbr.memory import GIB, Architecture, chunked_loss_from, experts_of, loss_compiled_with_forward
 from ptbr.preflight.hardware import Hardware
 from ptbr.preflight.recommend import requested_processes
 from ptbr.versions import package_versions
@@ -89,9 +89,13 @@ MINIMUM = {"torch": "2.4", "transformers": "4.46", "tokenizers": "0.20", "accele
            "numpy": "1.26", "peft": "0.13", "bitsandbytes": "0.45", "mlx": "0.20", "mlx-lm": "0.20"}
 
 
-def check_compile_request(settings, target: str, hardware: Hardware) -> list[Check]:
+def check_compile_request(settings, target: str, hardware: Hardware, arch: Architecture | None = None,
+                          planned=None) -> list[Check]:
     """`ptbr train --compile`: what train would refuse here (no compiler, MPS or MLX, several
-    processes), as a failed check; nothing when --compile is not asked for."""
+    processes), as a failed check; nothing when --compile is not asked for. On a CUDA target, also
+    whether its steps will replay as CUDA graphs, as train's start-up line says: for `planned`, the
+    settings the run will take (the recommendation's: its precision, batch and accumulation;
+    default `settings`), and the model `arch` (None, or precision auto: the rule, not the answer)."""
     if not getattr(settings, "compile", False):
         return []
     if target == "mlx":
@@ -100,6 +104,8 @@ def check_compile_request(settings, target: str, hardware: Hardware) -> list[Che
     import torch
 
     from ptbr.backends.torch.compiled import (
+        EAGER_LOSS_REFUSAL,
+        GRAPHS_REPLAY,
         accumulation_refusal,
         check_compile,
         cuda_graphs_refusal,
@@ -111,12 +117,24 @@ def check_compile_request(settings, target: str, hardware: Hardware) -> list[Che
         return [Check("settings.compile", FAIL, False, exc.what, exc.fix)]
     message = "--compile: torch.compile can run here (the first step compiles for tens of seconds)"
     if target == "cuda" and getattr(settings, "cuda_graphs", False):  # what --cuda-graphs will do (train's line)
-        refused = cuda_graphs_refusal(target, settings.gradient_checkpointing)
-        if refused is None and settings.grad_accum > 1:
-            refused = accumulation_refusal(settings.grad_accum)
-        message += (f"; CUDA graphs: {refused}" if refused else
-                    "; steps whose loss is compiled with the forward pass replay as CUDA graphs (--no-cuda-graphs: "
-                    "without)")
+        planned = planned or settings
+        refused = cuda_graphs_refusal(target, planned.gradient_checkpointing)
+        if refused is None and planned.grad_accum > 1:
+            refused = accumulation_refusal(planned.grad_accum)
+        known = arch is not None and planned.precision != "auto"
+        if refused is None and known:
+            tokens = planned.batch_size * planned.seq_len
+            chunked_from = (chunked_loss_from(arch.hidden_size, planned.precision)
+                            if planned.chunked_loss and not arch.changes_logits else None)
+            if not loss_compiled_with_forward(tokens, arch.vocab_size, chunked_from, planned.precision, target):
+                refused = EAGER_LOSS_REFUSAL
+        if refused:
+            message += f"; CUDA graphs: {refused}"
+        elif known:
+            message += f"; {GRAPHS_REPLAY}"
+        else:
+            message += ("; steps whose loss is compiled with the forward pass replay as CUDA graphs (--no-cuda-graphs: "
+                        "without)")
     return [Check("settings.compile", PASS, True, message)]
 
 

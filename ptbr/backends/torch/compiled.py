@@ -100,6 +100,14 @@ def cuda_graphs_refusal(device_type: str, gradient_checkpointing: bool) -> str |
     return None
 
 
+# what --cuda-graphs does where a step replays as CUDA graphs (train's start-up line, preflight)
+GRAPHS_REPLAY = "each step's compiled forward and backward passes then replay as CUDA graphs (--no-cuda-graphs: without)"
+# why a step whose chunked loss runs eager on the compiled decoder takes no CUDA graphs (train's
+# start-up line, preflight; ptbr.memory.loss_compiled_with_forward says which steps those are)
+EAGER_LOSS_REFUSAL = ("not where the chunked loss runs eager on the compiled decoder (fp32, or 16-bit logits above "
+                      "1 GiB; --no-chunked-loss takes them)")
+
+
 def accumulation_refusal(micro_batches: int) -> str:
     """Why steps of several micro-batches take no CUDA graphs (train's start-up line, preflight)."""
     return (f"not with {micro_batches} micro-batches a step (a second replay would overwrite the first one's "

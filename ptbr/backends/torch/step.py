@@ -189,7 +189,12 @@ class TorchStep:
     def _compiles_whole(self, tokens: int) -> bool:
         """--compile: whether a micro-batch of `tokens` tokens has its loss compiled with the forward
         pass (else the decoder alone is compiled, and the chunked loss runs eager on it)."""
-        return not (self.head is not None and tokens >= self._chunked_from) or self.compiles_whole_logits(tokens)
+        from ptbr.memory import loss_compiled_with_forward
+
+        if self.head is None:
+            return True
+        return loss_compiled_with_forward(tokens, self.head.out_features, self._chunked_from, self.precision,
+                                          self.placement.device.type)
 
     def graphs_step(self, micro_batches: int, tokens: int) -> bool:
         """Whether a step of `micro_batches` micro-batches of `tokens` tokens replays as CUDA graphs:
@@ -202,14 +207,17 @@ class TorchStep:
         """What --cuda-graphs does for steps of `micro_batches` micro-batches of `tokens` tokens, in
         words (None: nothing to say, off or not on a CUDA GPU)."""
         if self.graphs_step(micro_batches, tokens):
-            return "each step's compiled forward and backward passes then replay as CUDA graphs (--no-cuda-graphs: without)"
+            from ptbr.backends.torch.compiled import GRAPHS_REPLAY
+
+            return GRAPHS_REPLAY
         if self.cuda_graphs_why_not and self.placement.device.type == "cuda":
             return f"CUDA graphs: {self.cuda_graphs_why_not}"
         if self._graphed_whole is None:
             return None
         if not self._compiles_whole(tokens):
-            return ("CUDA graphs: not where the chunked loss runs eager on the compiled decoder (fp32, or 16-bit "
-                    "logits above 1 GiB; --no-chunked-loss takes them)")
+            from ptbr.backends.torch.compiled import EAGER_LOSS_REFUSAL
+
+            return f"CUDA graphs: {EAGER_LOSS_REFUSAL}"
         from ptbr.backends.torch.compiled import accumulation_refusal
 
         return f"CUDA graphs: {accumulation_refusal(micro_batches)}"

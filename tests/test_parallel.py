@@ -359,3 +359,16 @@ def test_accelerate_launch_is_a_launcher_too(tmp_path):
     assert one.returncode == 0, one.stderr
     assert [r["loss"] for r in metrics(tmp_path / "two")] == pytest.approx(
         [r["loss"] for r in metrics(tmp_path / "one")], rel=1e-6)
+
+
+def test_preflight_s_load_test_under_a_launcher_closes_the_group_it_joined(toy, tmp_path):
+    """`ptbr preflight --load-test` under torchrun loads the base through the backend, which joins
+    the launcher's process group (every rank runs it); the check closes that group again, so no
+    gloo thread is left to race the process's exit (where it could abort a successful run)."""
+    two = torchrun("preflight", "--mode", "finetune", "--base", str(toy.base), "--data", str(toy.data), "--quant",
+                   "none", "--device", "cpu", "--load-test", "--output", str(tmp_path / "plan"),
+                   env=recording_threads_at_exit(tmp_path))
+    assert two.returncode == 0, two.stdout[-4000:] + two.stderr[-4000:]
+    checks = json.loads((tmp_path / "plan" / "preflight_report.json").read_text())["checks"]
+    assert [c["status"] for c in checks if c["name"] == "model.load_test"] == ["pass"]
+    assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}

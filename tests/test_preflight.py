@@ -394,6 +394,30 @@ def test_finetune_preflight_reads_the_base_and_checks_the_jsonl(toy_base, tmp_pa
     assert [c["name"] for c in failed] == ["data.train"] and "line 25" in failed[0]["message"]
 
 
+def test_load_test_loads_the_base_with_its_adapter_and_fails_on_broken_weights(toy_base, tmp_path, capsys):
+    """`--load-test` loads the base as `ptbr finetune` will: the weights' bytes with the adapter
+    (fp32 here: 4 B a parameter, LoRA's too); truncated weights are a failed check (exit 10) naming
+    the load error, not a crash."""
+    from ptbr.cli import main
+    from ptbr.memory import Architecture
+
+    common = ["preflight", "--mode", "finetune", "--base", str(toy_base), "--data", str(toy_base.parent / "train.jsonl"),
+              "--quant", "none", "--device", "cpu", "--precision", "fp32", "--lora-r", "4", "--load-test"]
+    assert main([*common, "--output", str(tmp_path / "plan")]) == 0
+    checks = {c["name"]: c for c in json.loads((tmp_path / "plan" / "preflight_report.json").read_text())["checks"]}
+    arch = Architecture.from_hf_config(json.loads((toy_base / "config.json").read_text()))
+    assert checks["model.load_test"]["status"] == PASS
+    # the weights, the adapter and the rotary embedding's buffers (inv_freq and its original, head_dim / 2 each)
+    assert checks["model.load_test"]["value"] == 4 * (arch.parameters + arch.lora_parameters(4) + arch.head_dim)
+    weights = toy_base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main([*common, "--output", str(tmp_path / "again")]) == 10
+    checks = {c["name"]: c for c in json.loads((tmp_path / "again" / "preflight_report.json").read_text())["checks"]}
+    failed = checks["model.load_test"]
+    assert failed["status"] == FAIL and failed["value"] == str(toy_base), failed
+    assert failed["message"] == "cannot load the base model: Error while deserializing header: invalid header length"
+
+
 def test_finetune_recommended_config_is_a_finetune_config():
     hardware, requested = MACHINES["t4"], qlora_request()
     rec = recommend(hardware, requested, Architecture.from_hf_config(MISTRAL_7B))

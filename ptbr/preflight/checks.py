@@ -376,6 +376,9 @@ def load_test(settings: FinetuneConfig) -> Check:
         footprint = adapted.weights_bytes
         del adapted
         backend.release_memory()
+        # under torchrun the backend joined the launcher's process group (every rank runs this
+        # check): closed again, or its threads (gloo's) race the process's exit
+        backend.world.close()
         return Check("model.load_test", PASS, footprint, f"the weights load with the adapter ({gib(footprint)})")
     except PtbrError as exc:
         return Check("model.load_test", FAIL, settings.base, exc.what, exc.fix)

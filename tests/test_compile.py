@@ -378,7 +378,8 @@ def test_preflight_and_train_agree_on_which_steps_replay_as_cuda_graphs(monkeypa
             model = build_model(preset, vocab, 0, 0)
             step = TorchStep(model, build_optimizer(model, PretrainConfig(), torch.device("cpu")),
                              resolve_precision(torch.device("cpu"), precision), 1.0, compile=True, chunked_loss=chunked)
-            for batch, seq in ((1, 64), (8, 256), (80, 256)):  # 64 tokens, fewer than tiny's hidden size; 1.3 GB
+            assert step.chunked_from() == (memory.chunked_loss_from(arch.hidden_size, precision) if chunked else None)
+            for batch, seq in ((1, 64), (8, 256), (80, 256)):  # 80 x 256 tokens: 1.3 GB of bf16 logits
                 planned = PretrainConfig(compile=True, precision=precision, chunked_loss=chunked, batch_size=batch,
                                          seq_len=seq)
                 (check,) = check_compile_request(planned, "cuda", machine, arch, planned)
@@ -390,10 +391,11 @@ def test_preflight_and_train_agree_on_which_steps_replay_as_cuda_graphs(monkeypa
                                                          ("bf16", True, 80)]
 
 
-def test_preflight_plans_cuda_graphs_for_the_precision_and_batch_the_run_will_take(tmp_path, monkeypatch):
-    """run_preflight hands the plan (auto's precision resolved for the GPU) to the --compile check:
-    on an H100, `auto` is bf16 and the steps replay as CUDA graphs; `--precision fp32` runs the
-    chunked loss eager, and the line says so, as train's start-up line will."""
+def test_preflight_says_what_cuda_graphs_do_for_the_run_as_asked_with_auto_resolved(tmp_path, monkeypatch):
+    """run_preflight's --compile check takes the flags as given (train does not take the plan's
+    batch unless told to) with `auto`'s precision resolved for the GPU: on an H100, `auto` is bf16
+    and the steps replay as CUDA graphs; `--precision fp32` runs the chunked loss eager; 8 x 4
+    micro-batches take none, although the plan makes them 32 x 1 (as train's start-up line says)."""
     from ptbr.backends.torch import compiled
     from ptbr.config import PretrainConfig
     from ptbr.preflight import run_preflight
@@ -401,12 +403,17 @@ def test_preflight_plans_cuda_graphs_for_the_precision_and_batch_the_run_will_ta
 
     monkeypatch.setattr(compiled, "check_compile", lambda device, processes: None)
 
+    plans = []
+
     def said(**settings) -> str:
         result = run_preflight(PretrainConfig(compile=True, output=str(tmp_path / "plan"), **settings),
                                MACHINES["h100"], write=False)
+        plans.append(result.recommendation.settings)
         (check,) = [c for c in result.checks if c.name == "settings.compile"]
         return check.message.split("; ", 1)[1]
 
     assert said() == compiled.GRAPHS_REPLAY
     assert said(precision="fp32") == f"CUDA graphs: {compiled.EAGER_LOSS_REFUSAL}"
     assert said(precision="fp32", chunked_loss=False) == compiled.GRAPHS_REPLAY
+    assert said(batch_size=8, grad_accum=4) == f"CUDA graphs: {compiled.accumulation_refusal(4)}"
+    assert (plans[-1].batch_size, plans[-1].grad_accum) == (32, 1)

@@ -125,7 +125,11 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
         trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(settings.lora_r)
         needed, one = checkpoint_plan(planned, arch.parameters, trainable, examples)
         sizes = {"parameters": arch.parameters, "trainable": trainable}
-    checks += check_compile_request(settings, target, hardware, arch, recommendation and recommendation.settings)
+    # train takes the flags as given (its batch, accumulation, checkpointing), with `auto`'s precision
+    # as the plan resolved it
+    compiled_run = (dataclasses.replace(settings, precision=recommendation.settings.precision)
+                    if recommendation is not None else settings)
+    checks += check_compile_request(settings, target, hardware, arch, compiled_run)
     checks += check_output(settings.output, needed, one, hardware.in_kaggle)
     checks += check_kaggle(hardware, settings.output)
 

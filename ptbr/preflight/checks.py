@@ -90,12 +90,12 @@ MINIMUM = {"torch": "2.4", "transformers": "4.46", "tokenizers": "0.20", "accele
 
 
 def check_compile_request(settings, target: str, hardware: Hardware, arch: Architecture | None = None,
-                          planned=None) -> list[Check]:
+                          planned: PretrainConfig | None = None) -> list[Check]:
     """`ptbr train --compile`: what train would refuse here (no compiler, MPS or MLX, several
     processes), as a failed check; nothing when --compile is not asked for. On a CUDA target, also
     whether its steps will replay as CUDA graphs, as train's start-up line says: for `planned`, the
-    settings the run will take (the recommendation's: its precision, batch and accumulation;
-    default `settings`), and the model `arch` (None, or precision auto: the rule, not the answer)."""
+    settings the run will take (the requested ones with `auto`'s precision resolved; default
+    `settings`), and the model `arch` (None, or precision auto: the rule, not the answer)."""
     if not getattr(settings, "compile", False):
         return []
     if target == "mlx":

@@ -332,10 +332,10 @@ def test_preflight_says_what_cuda_graphs_will_do_on_a_gpu(monkeypatch):
     from ptbr.backends.torch import compiled
     from ptbr.config import PretrainConfig
     from ptbr.preflight.checks import check_compile_request
-    from ptbr.preflight.hardware import Hardware
+    from tests.test_preflight import MACHINES
 
     monkeypatch.setattr(compiled, "check_compile", lambda device, processes: None)
-    machine = Hardware("Linux", 2, 8 << 30, 8 << 30)
+    machine = MACHINES["h100"]  # a GPU to check --compile against
 
     def said(**settings) -> str:
         (check,) = check_compile_request(PretrainConfig(compile=True, **settings), "cuda", machine)
@@ -365,11 +365,11 @@ def test_preflight_and_train_agree_on_which_steps_replay_as_cuda_graphs(monkeypa
     from ptbr.backends.torch.step import TorchStep, build_optimizer
     from ptbr.config import PretrainConfig, get_preset
     from ptbr.preflight.checks import check_compile_request
-    from ptbr.preflight.hardware import Hardware
+    from tests.test_preflight import MACHINES
 
     monkeypatch.setattr(memory, "COMPILED_WHOLE_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(compiled, "check_compile", lambda device, processes: None)
-    machine = Hardware("Linux", 2, 8 << 30, 8 << 30)
+    machine = MACHINES["h100"]  # a GPU to check --compile against
     vocab, preset = 32000, get_preset("tiny")
     arch = memory.Architecture.from_preset(preset, vocab)
     refused = {}

@@ -314,6 +314,11 @@ def test_device_cuda_without_a_gpu_fails_without_a_memory_plan_for_it(tmp_path, 
                  "--output", str(out)]) == 10
     report = json.loads((out / "preflight_report.json").read_text())
     assert [c["name"] for c in report["checks"] if c["status"] == FAIL] == ["hardware.accelerator"]
+    # with --compile too (its check asked torch for the missing GPU's compute capability and crashed)
+    assert main(["preflight", "--mode", "pretrain", "--model-size", "tiny", "--device", "cuda", "--compile",
+                 "--output", str(tmp_path / "compiled")]) == 10
+    again = json.loads((tmp_path / "compiled" / "preflight_report.json").read_text())
+    assert [c["name"] for c in again["checks"] if c["status"] == FAIL] == ["hardware.accelerator"]
     assert not [c for c in report["checks"] if c["name"].startswith("memory.")]
     assert "usable on cuda" not in capsys.readouterr().out
     # the requested run's checkpoints still have a size (they read "take 0.0 MiB")

@@ -101,6 +101,8 @@ def check_compile_request(settings, target: str, hardware: Hardware, arch: Archi
     if target == "mlx":
         return [Check("settings.compile", FAIL, False, "--compile is a torch backend option (the MLX backend always "
                       "compiles its step)", "leave --compile out, or use --backend torch")]
+    if target == "cuda" and not hardware.gpus:
+        return []  # hardware.accelerator fails: there is no GPU to check torch.compile against
     import torch
 
     from ptbr.backends.torch.compiled import (

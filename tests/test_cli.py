@@ -309,3 +309,22 @@ def test_a_failed_rank_of_several_ends_at_once_with_its_code_and_its_logs_flushe
         command()
     assert calls[0] == ("logs flushed",)
     assert calls[1][:2] == ("exit", 3) and calls[1][2].startswith("error: data directory not found")
+
+
+@pytest.mark.parametrize("delay", [0.5, 1.0, 1.5, 2.5])
+def test_ctrl_c_at_any_moment_of_start_up_is_exit_130_without_a_traceback(tmp_path, delay):
+    """SIGINT while `ptbr train` is still importing torch (the first seconds) ended with exit 1 and a
+    traceback: the failed-rank exit re-imported torch.distributed from torch's half-made modules.
+    Whenever it lands, the command stops with its one-line message and 130 (at 2.5 s it may be
+    training already: the same code, after a checkpoint)."""
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-m", "ptbr", "train", "--output", str(tmp_path / "run"),
+                                "--model-size", "tiny", "--seq-len", "32", "--batch-size", "2", "--max-steps",
+                                "100000", "--device", "cpu", "--eval-every", "0"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, (delay, err[-3000:])
+    assert "Traceback" not in err and "stopped by SIGINT" in err, err[-3000:]

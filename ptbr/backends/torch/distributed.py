@@ -131,10 +131,13 @@ def exit_a_failed_rank(code: int) -> None:
     then skips the interpreter's teardown, atexit hooks included (ptbr registers none: the run's
     lock, logs, metrics and temporary directories are released before main() returns). Returns
     where no group of several processes is open (one process, a run that closed its group, the
-    launcher itself)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    launcher itself), and where torch's own import was cut short (a Ctrl-C at start-up: importing
+    it again would raise from its half-made modules)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+    except (AttributeError, RuntimeError):  # a half-imported torch has no group
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -399,6 +399,26 @@ def test_finetune_preflight_reads_the_base_and_checks_the_jsonl(toy_base, tmp_pa
     assert [c["name"] for c in failed] == ["data.train"] and "line 25" in failed[0]["message"]
 
 
+def test_an_output_that_is_the_data_s_or_the_base_s_directory_fails_as_the_run_would(toy_base, tmp_path, capsys):
+    """preflight passed an --output that is the directory of --data (or --base), and then told the
+    user to run `ptbr train --config` there, which refuses it (exit 6): the same refusal is a failed
+    check now, and no recommended config is written into the data's folder."""
+    from ptbr.cli import main
+
+    data = toy_base.parent / "train.jsonl"
+    common = ["preflight", "--mode", "finetune", "--base", str(toy_base), "--data", str(data), "--quant", "none"]
+    for flag, folder in (("data", data.parent), ("base", toy_base)):
+        assert main([*common, "--output", str(folder)]) == 10
+        report = json.loads((folder / "preflight_report.json").read_text())
+        (failed,) = [c for c in report["checks"] if c["status"] == FAIL]
+        given = data if flag == "data" else toy_base
+        assert failed["name"] == "disk.output" and failed["message"] == (
+            f"--output is the directory of --{flag} {given}: the run would refuse it")
+        assert failed["fix"] == "give the run a directory of its own with --output (e.g. runs/NAME)"
+        assert not (folder / "recommended_config.json").exists()
+    assert "error: 1 check(s) failed: disk.output" in capsys.readouterr().err
+
+
 def test_load_test_loads_the_base_with_its_adapter_and_fails_on_broken_weights(toy_base, tmp_path, capsys):
     """`--load-test` loads the base as `ptbr finetune` will: the weights' bytes with the adapter
     (fp32 here: 4 B a parameter, LoRA's too); truncated weights are a failed check (exit 10) naming

@@ -27,6 +27,7 @@ from ptbr.preflight.checks import (
     check_kaggle,
     check_mlx_backend,
     check_output,
+    check_output_of_its_own,
     check_packages,
     check_preset,
     check_pretrain_data,
@@ -130,7 +131,7 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     compiled_run = (dataclasses.replace(settings, precision=recommendation.settings.precision)
                     if recommendation is not None else settings)
     checks += check_compile_request(settings, target, hardware, arch, compiled_run)
-    checks += check_output(settings.output, needed, one, hardware.in_kaggle)
+    checks += check_output_of_its_own(settings) + check_output(settings.output, needed, one, hardware.in_kaggle)
     checks += check_kaggle(hardware, settings.output)
 
     result = PreflightResult(mode, checks, hardware, recommendation, extra=sizes)

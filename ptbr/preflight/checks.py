@@ -14,6 +14,7 @@ from typing import Any
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
+from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output
 from ptbr.memory import GIB, Architecture, chunked_loss_from, experts_of, loss_compiled_with_forward
 from ptbr.preflight.hardware import Hardware
 from ptbr.preflight.recommend import requested_processes
@@ -400,6 +401,15 @@ def checkpoint_bytes(mode: str, parameters: int, trainable: int) -> int:
     if mode == "pretrain":
         return 4 * parameters + 8 * parameters
     return 4 * trainable + 8 * trainable
+
+
+def check_output_of_its_own(settings: PretrainConfig | FinetuneConfig) -> list[Check]:
+    """The run refuses an --output that is the directory of its --data, --valid or --base (exit 6)."""
+    flag = input_named_as_output(settings)
+    if flag is None:
+        return []
+    return [Check("disk.output", FAIL, str(settings.output), f"--output is the directory of --{flag} "
+                  f"{getattr(settings, flag)}: the run would refuse it", OWN_OUTPUT_FIX)]
 
 
 def check_output(output: str, needed: int | None, one_checkpoint: int | None, in_kaggle: bool) -> list[Check]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
 from ptbr.data.tokens import dataset_files_in
+from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output
 from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, OutputError, PtbrError, error_line
 from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
 from ptbr.log import attach_run_log, detach, log, to_file_only
@@ -71,18 +72,11 @@ def create_run_dir(output: str) -> Path:
 
 
 def refuse_an_input_as_output(settings) -> None:
-    """The run's --output may not be the directory of its --data, --valid or --base: the run's
-    files would mix with the data or the model (and starting over would move files there)."""
-    output = Path(settings.output).expanduser().resolve()
-    for flag in ("data", "valid", "base"):
-        value = getattr(settings, flag, None)
-        source = Path(value).expanduser() if value else None
-        if source is None or not source.exists():
-            continue
-        folder = source.resolve() if source.is_dir() else source.resolve().parent
-        if folder == output:
-            raise OutputError(f"--output is the directory of --{flag} {value}", str(settings.output),
-                              "give the run a directory of its own with --output (e.g. runs/NAME)")
+    """The run's --output may not be the directory of its --data, --valid or --base (files.input_named_as_output)."""
+    flag = input_named_as_output(settings)
+    if flag is not None:
+        raise OutputError(f"--output is the directory of --{flag} {getattr(settings, flag)}", str(settings.output),
+                          OWN_OUTPUT_FIX)
 
 
 @contextmanager

@@ -251,6 +251,13 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
     config.write_text("precision: bf16\nnum_processes: '4'\n")  # what Kaggle's two T4s cannot run
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(config)], 2)
     assert "precision 'bf16' is not on Kaggle's T4s" in err and "num_processes 4 is more than Kaggle's 2 GPUs" in err
+    assert "preflight planned" not in err
+    # preflight's recommended_config.json from a machine with native bf16 (its plan, not Kaggle's)
+    planned = tmp_path / "recommended_config.json"
+    planned.write_text(json.dumps({"precision": "bf16", "num_processes": "1", "reasons": ["precision bf16: ..."]}))
+    err = refused(["--owner", USERNAME, "--slug", SLUG, "--config", str(planned)], 2)
+    assert ("precision 'bf16' is not on Kaggle's T4s (no native bf16): set precision to auto (fp16 with a loss scaler "
+            "there), fp16 or fp32; a recommended_config.json holds what preflight planned for the machine it ran on") in err
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(toy.data)], 2)
     assert "fine-tuning needs --base" in err
     err = refused(["--owner", USERNAME, "--slug", SLUG, "--mode", "finetune", "--data", str(toy.data),
@@ -272,6 +279,25 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
     (tmp_path / "b" / "notes.txt").write_text("mine")
     assert main(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", USERNAME, "--slug", SLUG]) == 6
     assert "is not a bundle" in capsys.readouterr().err and (tmp_path / "b" / "notes.txt").read_text() == "mine"
+
+
+def test_settings_that_leave_a_t4_idle_are_said_before_bundling(tmp_path, caplog):
+    """A config that trains on one of Kaggle's two T4s, or in fp32 (a preflight plan from a machine
+    without a GPU holds both), is bundled as asked, with a note for each; auto says nothing."""
+    from ptbr.kaggle.bundle import plan_contents
+    from ptbr.kaggle.settings import BundleSettings
+
+    planned = tmp_path / "recommended_config.json"
+    planned.write_text(json.dumps({"precision": "fp32", "num_processes": "1", "reasons": ["no GPU: ..."]}))
+    plan = plan_contents(BundleSettings(str(tmp_path / "b"), USERNAME, SLUG, config=str(planned)))
+    assert plan.settings["num_processes"] == "1" and plan.settings["precision"] == "fp32"
+    err = caplog.text
+    assert (f"note: num_processes 1 ({planned}): the kernel trains on 1 of Kaggle's 2 T4s (auto: on both); a "
+            "recommended_config.json holds what preflight planned for the machine it ran on") in err
+    assert f"note: precision fp32 ({planned}): the T4s multiply fp16 on their tensor cores" in err
+    caplog.clear()
+    plan_contents(BundleSettings(str(tmp_path / "b"), USERNAME, SLUG))
+    assert "note:" not in caplog.text
 
 
 def test_a_previous_bundle_holding_files_of_yours_is_not_replaced(tiny_bundle, tmp_path, capsys):

@@ -54,7 +54,7 @@ from ptbr.kaggle.layout import (
     kernel_title,
 )
 from ptbr.kaggle.settings import BundleSettings
-from ptbr.log import log
+from ptbr.log import log, shout
 
 # Settings that name files on this machine, and resume: the kernel passes its own (--data, --base,
 # --output, --resume auto).
@@ -149,9 +149,11 @@ def plan_contents(settings: BundleSettings) -> Plan:
         problems.append(f"backend {checked.backend!r} is not on Kaggle (use {', '.join(KAGGLE_BACKENDS)})")
     # the kernel asks for Kaggle's T4 x 2 (kernel-metadata.json): what those GPUs cannot run would
     # fail only there, after the session started
+    planned_elsewhere = ("; a recommended_config.json holds what preflight planned for the machine it ran on"
+                         if "reasons" in file_values else "")
     if checked.precision == "bf16":
-        problems.append("precision 'bf16' is not on Kaggle's T4s (no native bf16): leave precision auto (fp16 "
-                        "with a loss scaler there) or give fp16 or fp32")
+        problems.append("precision 'bf16' is not on Kaggle's T4s (no native bf16): set precision to auto (fp16 "
+                        f"with a loss scaler there), fp16 or fp32{planned_elsewhere}")
     if str(checked.num_processes).isdigit() and int(checked.num_processes) > KAGGLE_GPUS:
         problems.append(f"num_processes {checked.num_processes} is more than Kaggle's {KAGGLE_GPUS} GPUs: give "
                         f"auto (one per GPU), or {KAGGLE_GPUS} or fewer")
@@ -162,6 +164,8 @@ def plan_contents(settings: BundleSettings) -> Plan:
     if settings.mode == "finetune" and not base:
         problems.append("fine-tuning needs --base: a local model directory, or kaggle:OWNER/MODEL/FRAMEWORK/VARIATION")
     collect(problems, ConfigError, settings.config or "ptbr kaggle bundle", "see `ptbr kaggle bundle --help`")
+    for note in underused_t4s(checked, settings.config):
+        shout(f"note: {note}{planned_elsewhere}")
 
     files: dict[str, Path] = {}
     if settings.mode == "pretrain" and data:
@@ -173,6 +177,20 @@ def plan_contents(settings: BundleSettings) -> Plan:
         base_source, base_files = base_model(str(base))
         files.update(base_files)
     return Plan(values, files, base_source)
+
+
+def underused_t4s(checked, source: str | None) -> list[str]:
+    """What the run's settings leave of Kaggle's two T4s that a user may not mean (said, not refused:
+    one process is what --compile needs, fp32 can be a choice)."""
+    notes, where = [], f" ({source})" if source else ""
+    processes = str(checked.num_processes)
+    if processes.isdigit() and int(processes) < KAGGLE_GPUS and checked.device != "cpu":
+        notes.append(f"num_processes {processes}{where}: the kernel trains on {processes} of Kaggle's "
+                     f"{KAGGLE_GPUS} T4s (auto: on both)")
+    if checked.precision == "fp32" and checked.device != "cpu":
+        notes.append(f"precision fp32{where}: the T4s multiply fp16 on their tensor cores, fp32 without them "
+                     "(auto: fp16 with a loss scaler)")
+    return notes
 
 
 def pretrain_data(data: str, tokenizer: str | None) -> dict[str, Path]:

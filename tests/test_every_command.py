@@ -207,6 +207,14 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
     only_valid.mkdir()
     shutil.copy(toy.data / "valid.jsonl", only_valid)
 
+    # export-adapter --base: a model of more, or fewer, layers than the adapter's base (its config.json is read)
+    layers = json.loads((toy.base / "config.json").read_text())["num_hidden_layers"]
+    other_bases = {}
+    for count in (layers + 2, layers - 1):
+        other_bases[count] = tmp_path / f"base-{count}-layers"
+        other_bases[count].mkdir()
+        config = json.loads((toy.base / "config.json").read_text()) | {"num_hidden_layers": count}
+        (other_bases[count] / "config.json").write_text(json.dumps(config))
     finetune = ["finetune", "--quant", "none", "--max-steps", "1", "--output"]
     (tmp_path / "m-run" / "merged").mkdir(parents=True)  # a run directory whose model is merged/
     shutil.copy(toy.base / "config.json", tmp_path / "m-run" / "merged")
@@ -251,6 +259,12 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
              "--output is or holds the adapter: the export would replace it"),
         Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run / "adapters" / "mlx")], 6,
              "--output is or holds the adapter"),
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(tmp_path / "x-more"), "--base",
+              str(other_bases[layers + 2])], 2, f"the adapter covers layers {list(range(layers))}, and mlx-lm adapts "
+             f"only the last N layers of the {layers + 2} of {other_bases[layers + 2]}"),
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(tmp_path / "x-fewer"), "--base",
+              str(other_bases[layers - 1])], 2, f"the adapter covers layers up to {layers - 1}, and the base "
+             f"{other_bases[layers - 1]} has {layers - 1}: not the base it was trained on"),
         Case(["generate", "", "--model", str(toy.base)], 2, "prompt"),
         Case(["generate", "--model", str(toy.base), "-texto"], 2, 'one that starts with "-" goes after --'),
         Case(["generate", "Oi", "--model", str(toy.base), "--temperature", "nan"], 2, "temperature"),

@@ -97,6 +97,8 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
         "unknown preset": (["train", "--model-size", "7b", "--output", out], 2, "unknown model size '7b'"),
         "output cannot be created": (["train", "--output", str(blocker / "run"), "--max-steps", "1"], 6,
                                      "cannot create or write the output directory"),
+        "output is a file": (["train", "--output", str(blocker), "--max-steps", "1"], 6,
+                             "the output path is a file, not a directory"),
         "config with unknown keys": (["train", "--config", str(unknown_keys), "--output", out], 2,
                                      "unknown key 'learnig_rate'"),
         "prepare on nothing": (["prepare", "--input", str(tmp / "none.txt"), "--output", out], 3, "input not found"),

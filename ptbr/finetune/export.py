@@ -177,12 +177,18 @@ def peft_to_mlx(directory: Path, base: str | None) -> tuple[dict[str, np.ndarray
         keys.add(key)
         tensors[f"{match['module']}.lora_{match['which'].lower()}"] = np.ascontiguousarray(value.T)
     base = base or config.get("base_model_name_or_path")
-    total = base_layers(base)
-    total = total if total is not None else max(layers) + 1
+    known = base_layers(base)
+    total = known if known is not None else max(layers) + 1
     adapted = sorted(layers)
+    of_base = f" of {base}" if known is not None else ""
+    if max(adapted) >= total:
+        raise ConfigError(f"the adapter covers layers up to {max(adapted)}, and the base {base} has {total}: not "
+                          "the base it was trained on", str(directory), "give --base the model the adapter was "
+                          "trained on")
     if adapted != list(range(total - len(adapted), total)):
         raise ConfigError(f"the adapter covers layers {adapted}, and mlx-lm adapts only the last N layers of "
-                          f"the {total}", str(directory), "convert adapters of every layer (or of the last ones)")
+                          f"the {total}{of_base}", str(directory), "convert adapters of every layer (or of the last "
+                          "ones), with --base the model they were trained on")
     mlx_config = {"fine_tune_type": "lora", "num_layers": len(adapted),
                   "lora_parameters": {"rank": rank, "scale": scale, "dropout": float(config.get("lora_dropout") or 0.0),
                                       "keys": sorted(keys)},

@@ -54,6 +54,9 @@ PREVIOUS = "previous"
 
 def create_run_dir(output: str) -> Path:
     run_dir = Path(output)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OutputError("the output path is a file, not a directory", str(run_dir),
+                          "give --output a directory: a new one, or an earlier run's")
     dataset = dataset_files_in(run_dir)
     if dataset:
         # a run would write its checkpoints among the data, and starting over would move files there

@@ -155,6 +155,9 @@ def test_a_mistyped_resume_keyword_is_a_setting_error_not_a_missing_checkpoint(t
                                   "fix: did you mean --resume never?")
     assert train(tmp_path / "run", "--max-steps", "1", "--resume", "runs/x/checkpoints/step_000002") == 4
     assert last_error(capsys).startswith("error: checkpoint not found (runs/x/checkpoints/step_000002)")
+    (tmp_path / "a_file").write_text("x")
+    assert train(tmp_path / "run", "--max-steps", "1", "--resume", "a_file") == 4
+    assert last_error(capsys).startswith("error: a file, not a checkpoint directory (a_file)")
 
 
 def test_a_checkpoint_that_cannot_be_loaded_never_suggests_unsafe_loading(tmp_path, capsys):

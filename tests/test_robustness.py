@@ -86,6 +86,8 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
                                       "16"], 3, "fewer than seq_len + 1"),
         "missing tokenizer": (["train", "--data", str(odd), "--tokenizer", str(tmp / "none.json"), "--output", out], 3,
                               "tokenizer not found"),
+        "tokenizer a directory": (["train", "--data", str(odd), "--tokenizer", str(tmp), "--output", out], 3,
+                                  f"tokenizer is a directory, not a tokenizer.json: {tmp}"),
         "corrupt tokenizer": (["train", "--data", str(odd), "--tokenizer", str(corrupt_tok), "--output", out], 3,
                               "tokenizer.json is corrupt"),
         "seq_len above max positions": (["train", "--seq-len", "4096", "--output", out], 2, "exceeds the tiny model"),

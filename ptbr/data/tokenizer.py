@@ -48,7 +48,8 @@ def load_tokenizer(path: str | Path):
 
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"tokenizer not found: {path}", "--tokenizer", "give the tokenizer.json written by `ptbr prepare`")
+        what = "is a directory, not a tokenizer.json" if path.is_dir() else "not found"
+        raise DataError(f"tokenizer {what}: {path}", "--tokenizer", "give the tokenizer.json written by `ptbr prepare`")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception

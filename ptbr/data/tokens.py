@@ -101,7 +101,8 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
     tokenizer_path = Path(tokenizer) if tokenizer else directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         if tokenizer:
-            raise DataError(f"tokenizer not found: {tokenizer_path}", "--tokenizer", "give an existing tokenizer.json")
+            what = "is a directory, not a tokenizer.json" if tokenizer_path.is_dir() else "not found"
+            raise DataError(f"tokenizer {what}: {tokenizer_path}", "--tokenizer", "give an existing tokenizer.json")
         raise DataError(f"no tokenizer.json file in the data directory: {tokenizer_path}", str(directory),
                         "give --tokenizer FILE (datasets in the older layout have no tokenizer.json)")
     tok = load_tokenizer(tokenizer_path)

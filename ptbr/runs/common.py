@@ -238,7 +238,8 @@ def _find_resume(run_dir: Path, settings, identity: dict) -> Resume:
                 raise ConfigError(f"--resume {settings.resume}: no such checkpoint, and not auto or never",
                                   "--resume", f"did you mean --resume {meant[0]}?")
         if not path.is_dir():
-            raise ModelError("checkpoint not found", str(path),
+            raise ModelError("checkpoint not found" if not path.exists() else "a file, not a checkpoint directory",
+                             str(path),
                              "give a checkpoints/step_NNNNNN directory, or --resume auto or never")
         state = read_state(path)
         if state is None and not (path / STATE_FILE).is_file():

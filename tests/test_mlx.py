@@ -471,6 +471,10 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     assert main(["export-adapter", adapters, "--to", "peft", "--output", str(peft)]) == 0
     assert main(["export-adapter", adapters, "--to", "peft", "--output", str(peft)]) == 0  # an earlier export: replaced
     assert main(["export-adapter", str(peft), "--to", "mlx", "--output", str(back)]) == 0
+    assert "adapter converted from peft to mlx in " in capsys.readouterr().out
+    # already in the asked format: a copy, and said so (it said "converted from peft to peft")
+    assert main(["export-adapter", str(peft), "--to", "peft", "--output", str(tmp_path / "same")]) == 0
+    assert capsys.readouterr().out.startswith("adapter copied in peft's format (it was in it already) in ")
     a, b = mx.load(f"{adapters}/adapters.safetensors"), mx.load(str(back / "adapters.safetensors"))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert json.loads((back / "adapter_config.json").read_text())["lora_parameters"] == json.loads(

@@ -66,6 +66,9 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
     unknown_keys.write_text("batch_size: 2\nlearnig_rate: 0.1\n")
     blocker = tmp / "a_file"
     blocker.write_text("x")
+    model = tmp / "final"  # an earlier run's finished model
+    model.mkdir()
+    (model / "model.safetensors").write_text("x")
     (tmp / "empty.jsonl").write_text("")
     (tmp / "not_json.jsonl").write_text('{"text": "ok"}\nnot json\n')
     (tmp / "schema.jsonl").write_text('{"question": "a", "answer": "b"}\n')
@@ -101,6 +104,8 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
                                      "cannot create or write the output directory"),
         "output is a file": (["train", "--output", str(blocker), "--max-steps", "1"], 6,
                              "the output path is a file, not a directory"),
+        "output is a model's folder": (["train", "--output", str(model), "--max-steps", "1"], 6,
+                                       "the output directory holds a model (model.safetensors), not a run"),
         "config with unknown keys": (["train", "--config", str(unknown_keys), "--output", out], 2,
                                      "unknown key 'learnig_rate'"),
         "prepare on nothing": (["prepare", "--input", str(tmp / "none.txt"), "--output", out], 3, "input not found"),

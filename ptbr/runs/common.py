@@ -50,6 +50,9 @@ from ptbr.versions import install_extra
 RUN_FILES = ("checkpoints", "final", "adapters", "merged", "metrics.jsonl", "metrics.csv", "training_summary.json",
              "run_config.json", "crash_report.txt", "hang_report.txt", "report.md", "plots", "tensorboard")
 PREVIOUS = "previous"
+# What makes a directory a model's (weights or an adapter's), never found at the top of a run's
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors",
+               "adapters.safetensors")
 
 
 def create_run_dir(output: str) -> Path:
@@ -63,6 +66,11 @@ def create_run_dir(output: str) -> Path:
         raise OutputError(f"the output directory holds a dataset ({dataset[0]}), not a run", str(run_dir),
                           "give the run a directory of its own with --output (e.g. runs/NAME); a dataset is "
                           "what --data names")
+    model = [name for name in MODEL_FILES if (run_dir / name).exists()]
+    if model:
+        # a finished model's folder (a run's final/, a base, an adapter): the run would mix its files in
+        raise OutputError(f"the output directory holds a model ({model[0]}), not a run", str(run_dir),
+                          f"{OWN_OUTPUT_FIX}; a model is what --base or --model names")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".tmp-write-test-{os.getpid()}"  # its own name: two runs starting at once

@@ -55,6 +55,10 @@ def add_preflight_flags(parser: argparse.ArgumentParser) -> None:
                         help="plan a pretraining (ptbr train) or a fine-tuning (ptbr finetune) run (default: pretrain)")
     parser.add_argument("--load-test", action="store_true",
                         help="finetune: also load the base model's weights, as the run will (slow for large models)")
+    parser.add_argument("--for", dest="plan_for", choices=("here", "kaggle"), default="here",
+                        help="here: plan for this machine; kaggle: for the Kaggle kernel `ptbr kaggle bundle` makes "
+                             "(two T4s), whose recommended_config.json the bundle's --config takes as is "
+                             "(default: here)")
     add_settings_flags(parser, PretrainConfig)  # also --config, and --output: where the reports go
     pretrain = {f.name: f for f, _ in settings_fields(PretrainConfig)}
     finetune = {f.name: f for f, _ in settings_fields(FinetuneConfig)}

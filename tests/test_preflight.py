@@ -712,3 +712,39 @@ def test_a_base_that_cannot_be_read_leaves_the_checkpoints_size_unknown(tmp_path
     (disk,) = [c for c in report["checks"] if c["name"] == "disk.space"]
     assert disk["status"] == PASS and disk["value"]["needed"] is None
     assert "the checkpoints' size is unknown" in disk["message"]
+
+
+def test_preflight_for_kaggle_plans_the_two_t4s_and_the_bundle_takes_its_config(tmp_path, capsys, caplog):
+    """`--for kaggle` plans for the kernel `ptbr kaggle bundle` makes (two T4s), from any machine:
+    fp16, a process on each T4, two checkpoints kept, gradient checkpointing and a micro-batch that
+    fit a T4 (800m: 8 x 1024 would need 29.6 GiB); nothing of this machine (its packages) is
+    checked, and the recommended config goes into a bundle as is, without a note."""
+    from ptbr.cli import main
+    from ptbr.kaggle.bundle import plan_contents
+    from ptbr.kaggle.settings import BundleSettings
+
+    out = tmp_path / "plan"
+    request = ["preflight", "--mode", "pretrain", "--model-size", "800m", "--seq-len", "1024", "--batch-size", "8",
+               "--grad-accum", "4", "--for", "kaggle"]
+    assert main([*request, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"next: ptbr kaggle bundle --config {out / 'recommended_config.json'} --owner" in printed
+    config = json.loads((out / "recommended_config.json").read_text())
+    assert {k: config[k] for k in ("precision", "num_processes", "keep_last", "batch_size", "grad_accum",
+                                   "gradient_checkpointing")} == {
+        "precision": "fp16", "num_processes": "2", "keep_last": 2, "batch_size": 4, "grad_accum": 8,
+        "gradient_checkpointing": True}
+    checks = {c["name"]: c for c in json.loads((out / "preflight_report.json").read_text())["checks"]}
+    assert not [name for name in checks if name.startswith("packages.")]
+    assert checks["hardware.gpu1"]["value"]["name"] == "Tesla T4" and checks["kaggle.output_size"]["status"] == WARN
+    plan = plan_contents(BundleSettings(str(tmp_path / "b"), "ptbr-tester", "ptbr-800m-run",
+                                        config=str(out / "recommended_config.json")))
+    assert plan.settings["precision"] == "fp16" and plan.settings["num_processes"] == "2"
+    assert "note:" not in caplog.text
+    # what only this machine could load, and what two processes cannot run
+    assert main([*request, "--output", str(tmp_path / "p2"), "--load-test"]) == 2
+    assert "--load-test loads the model on this machine, not on Kaggle's" in capsys.readouterr().err
+    assert main([*request, "--output", str(tmp_path / "p3"), "--compile"]) == 10
+    compiled = {c["name"]: c for c in json.loads((tmp_path / "p3" / "preflight_report.json").read_text())["checks"]}
+    assert compiled["settings.compile"]["status"] == FAIL
+    assert "a run of 2 data-parallel processes" in compiled["settings.compile"]["message"]

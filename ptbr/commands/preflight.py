@@ -3,7 +3,9 @@ write DIR/preflight_report.json and DIR/recommended_config.json. Exit 10 when a 
 
 from __future__ import annotations
 
-from ptbr.errors import PreflightFailed
+import dataclasses
+
+from ptbr.errors import ConfigError, PreflightFailed
 
 MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}
 
@@ -15,9 +17,22 @@ def main(args) -> int:
 
     settings, given = requested_settings(args.mode, args)
     args.output = settings.output  # for the crash report
+    hardware, kaggle = None, args.plan_for == "kaggle"
+    if kaggle:
+        from ptbr.preflight.hardware import KAGGLE_T4X2
+
+        if args.load_test:
+            raise ConfigError("--load-test loads the model on this machine, not on Kaggle's", "--for kaggle",
+                              "leave --load-test out: the kernel runs preflight on the T4s before training")
+        from ptbr.kaggle.layout import KAGGLE_RUN_DEFAULTS
+
+        hardware = KAGGLE_T4X2
+        # the bundle's defaults where the settings say nothing: a process on each T4, two checkpoints kept
+        defaults = {key: value for key, value in KAGGLE_RUN_DEFAULTS.items() if key not in given}
+        settings, given = dataclasses.replace(settings, **defaults), given | set(defaults)
     quiet_transformers()
-    result = run_preflight(settings, load_weights=args.load_test, given=given)
-    print_result(result)
+    result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, elsewhere=kaggle)
+    print_result(result, kaggle)
     if result.failed:
         names = ", ".join(c.name for c in result.failed)
         raise PreflightFailed(f"{len(result.failed)} check(s) failed: {names}",
@@ -26,7 +41,7 @@ def main(args) -> int:
     return 0
 
 
-def print_result(result) -> None:
+def print_result(result, kaggle: bool = False) -> None:
     counts = result.summary()
     print(f"preflight ({result.mode}): {counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail")
     width = max(len(c.name) for c in result.checks)
@@ -44,4 +59,9 @@ def print_result(result) -> None:
     if result.config_path:
         command = "train" if result.mode == "pretrain" else "finetune"
         print(f"recommended config: {result.config_path}")
-        print(f"next: ptbr {command} --config {result.config_path}")
+        if kaggle:
+            mode = "" if result.mode == "pretrain" else " --mode finetune --base BASE"
+            print(f"next: ptbr kaggle bundle --config {result.config_path} --owner YOUR_KAGGLE_USERNAME --slug NAME "
+                  f"--output bundles/NAME --data DATA{mode}")
+        else:
+            print(f"next: ptbr {command} --config {result.config_path}")

@@ -66,10 +66,14 @@ class PreflightResult:
 
 
 def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load_weights: bool = False,
-                  versions: dict | None = None, write: bool = True, given: set[str] | None = None) -> PreflightResult:
+                  versions: dict | None = None, write: bool = True, given: set[str] | None = None,
+                  elsewhere: bool = False) -> PreflightResult:
     """Every check for a run with these settings (PretrainConfig: `ptbr train`, FinetuneConfig:
     `ptbr finetune`); writes the two files into settings.output when `write`.
-    `given`: the settings the user set, kept in recommended_config.json (None: all of them)."""
+    `given`: the settings the user set, kept in recommended_config.json (None: all of them).
+    `elsewhere`: the run is planned for `hardware`, another machine than this one (--for kaggle):
+    what only this machine could tell (its packages, its compiler, a session's output folder) is
+    left out."""
     mode = mode_of(settings)
     hardware = hardware or probe_hardware()
     target = choose_target(hardware, mode, settings.device, settings.backend)
@@ -107,7 +111,8 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
             if load_weights and tokenizer is not None:
                 checks.append(load_test(settings))
 
-    checks += check_packages(mode, target, quant, versions)
+    if not elsewhere:
+        checks += check_packages(mode, target, quant, versions)
     if target == "mlx":
         checks += check_mlx_backend(hardware.apple_silicon)
 
@@ -130,9 +135,10 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     # as the plan resolved it
     compiled_run = (dataclasses.replace(settings, precision=recommendation.settings.precision)
                     if recommendation is not None else settings)
-    checks += check_compile_request(settings, target, hardware, arch, compiled_run)
+    checks += check_compile_request(settings, target, hardware, arch, compiled_run, probe=not elsewhere)
     checks += check_output_of_its_own(settings) + check_output(settings.output, needed, one, hardware.in_kaggle)
-    checks += check_kaggle(hardware, settings.output)
+    if not elsewhere:  # (a kernel's own run: its output folder, its GPUs as Kaggle gave them)
+        checks += check_kaggle(hardware, settings.output)
 
     result = PreflightResult(mode, checks, hardware, recommendation, extra=sizes)
     if write:

@@ -91,12 +91,14 @@ MINIMUM = {"torch": "2.4", "transformers": "4.46", "tokenizers": "0.20", "accele
 
 
 def check_compile_request(settings, target: str, hardware: Hardware, arch: Architecture | None = None,
-                          planned: PretrainConfig | None = None) -> list[Check]:
+                          planned: PretrainConfig | None = None, probe: bool = True) -> list[Check]:
     """`ptbr train --compile`: what train would refuse here (no compiler, MPS or MLX, several
     processes), as a failed check; nothing when --compile is not asked for. On a CUDA target, also
     whether its steps will replay as CUDA graphs, as train's start-up line says: for `planned`, the
     settings the run will take (the requested ones with `auto`'s precision resolved; default
-    `settings`), and the model `arch` (None, or precision auto: the rule, not the answer)."""
+    `settings`), and the model `arch` (None, or precision auto: the rule, not the answer).
+    `probe` False: planned for another machine, whose compilers and GPU this one cannot see (the
+    number of processes is still checked)."""
     if not getattr(settings, "compile", False):
         return []
     if target == "mlx":
@@ -115,10 +117,11 @@ def check_compile_request(settings, target: str, hardware: Hardware, arch: Archi
     )
 
     try:
-        check_compile(torch.device(target), requested_processes(hardware, target, settings))
+        check_compile(torch.device(target) if probe else None, requested_processes(hardware, target, settings))
     except PtbrError as exc:
         return [Check("settings.compile", FAIL, False, exc.what, exc.fix)]
-    message = "--compile: torch.compile can run here (the first step compiles for tens of seconds)"
+    message = ("--compile: torch.compile can run here (the first step compiles for tens of seconds)" if probe else
+               "--compile: one process (its compiler and GPU are checked where it runs)")
     if target == "cuda" and getattr(settings, "cuda_graphs", False):  # what --cuda-graphs will do (train's line)
         planned = planned or settings
         refused = cuda_graphs_refusal(target, planned.gradient_checkpointing)
@@ -443,7 +446,8 @@ def check_output(output: str, needed: int | None, one_checkpoint: int | None, in
         checks.append(Check("disk.space", PASS, value, f"{gib(free)} free, the run's checkpoints take {gib(needed)}"))
     if in_kaggle and needed > 19 * GIB:
         checks.append(Check("kaggle.output_size", WARN, needed, f"the run writes {gib(needed)}; Kaggle keeps about 20 GB of "
-                            "/kaggle/working", "use --keep-last 2 (or raise --save-every) so fewer checkpoints are kept"))
+                            "/kaggle/working", "keep fewer checkpoints: a lower --keep-last (N keeps N + 1 for a moment, the "
+                            "newest written before the oldest goes), or a larger --save-every"))
     return checks
 
 

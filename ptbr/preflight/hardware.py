@@ -51,6 +51,15 @@ class Hardware:
         return cls(**data)
 
 
+# What `ptbr preflight --for kaggle` plans for: the kernel `ptbr kaggle bundle` makes asks for
+# Kaggle's "NvidiaTeslaT4" machine, two 16 GB T4s (15.8 GB as CUDA counts them, 15.6 free to a
+# process holding a context), 4 CPUs and about 29 GB of RAM, with a CUDA build of torch.
+KAGGLE_T4 = GPU("Tesla T4", memory_total=15_828_320_256, memory_free=15_642_001_408, compute_capability="7.5",
+                real_bf16=False)
+KAGGLE_T4X2 = Hardware("Kaggle kernel, NvidiaTeslaT4 (planned for, not probed)", 4, 31 * GIB, 29 * GIB,
+                       [KAGGLE_T4, KAGGLE_T4], in_kaggle=True, torch_cuda="12")
+
+
 def has_real_bf16(compute_capability: str) -> bool:
     try:
         return int(compute_capability.split(".")[0]) >= 8

@@ -352,7 +352,7 @@ def _finite(value: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 # Keys a recommended_config.json may carry for people, not for the loop.
-INFORMATIONAL_KEYS = ("reasons", "_comment")
+INFORMATIONAL_KEYS = ("reasons", "_comment", "planned_for")  # preflight's, in its recommended_config.json
 
 
 def settings_fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:

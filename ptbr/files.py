@@ -248,6 +248,14 @@ def file_sha256(path: Path | str) -> str:
 
 
 OWN_OUTPUT_FIX = "give the run a directory of its own with --output (e.g. runs/NAME)"
+# What makes a directory a model's (weights or an adapter's), never found at the top of a run's
+RUN_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "adapter_model.safetensors", "adapters.safetensors")
+
+
+def model_files_in(directory: str | Path) -> list[str]:
+    """The files that make `directory` a model's folder (a run's final/, a base, an adapter)."""
+    return [name for name in RUN_MODEL_FILES if (Path(directory) / name).exists()]
 
 
 def input_named_as_output(settings) -> str | None:

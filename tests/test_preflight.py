@@ -417,6 +417,13 @@ def test_an_output_that_is_the_data_s_or_the_base_s_directory_fails_as_the_run_w
         assert failed["fix"] == "give the run a directory of its own with --output (e.g. runs/NAME)"
         assert not (folder / "recommended_config.json").exists()
     assert "error: 1 check(s) failed: disk.output" in capsys.readouterr().err
+    # a folder that holds a model (an earlier run's final/): the run refuses it too
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_text("x")
+    assert main([*common, "--output", str(final)]) == 10
+    (failed,) = [c for c in json.loads((final / "preflight_report.json").read_text())["checks"] if c["status"] == FAIL]
+    assert failed["message"] == "the output directory holds a model (model.safetensors), not a run: the run would refuse it"
 
 
 def test_load_test_loads_the_base_with_its_adapter_and_fails_on_broken_weights(toy_base, tmp_path, capsys):
@@ -728,19 +735,23 @@ def test_preflight_for_kaggle_plans_the_two_t4s_and_the_bundle_takes_its_config(
                "--grad-accum", "4", "--for", "kaggle"]
     assert main([*request, "--output", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert f"next: ptbr kaggle bundle --config {out / 'recommended_config.json'} --owner" in printed
+    assert (f"next: ptbr kaggle bundle --config {out / 'recommended_config.json'} --owner YOUR_KAGGLE_USERNAME "
+            "--slug NAME --output bundles/NAME\n") in printed
     config = json.loads((out / "recommended_config.json").read_text())
     assert {k: config[k] for k in ("precision", "num_processes", "keep_last", "batch_size", "grad_accum",
                                    "gradient_checkpointing")} == {
         "precision": "fp16", "num_processes": "2", "keep_last": 2, "batch_size": 4, "grad_accum": 8,
         "gradient_checkpointing": True}
+    assert config["planned_for"] == "kaggle"  # the bundle's notes read it
     checks = {c["name"]: c for c in json.loads((out / "preflight_report.json").read_text())["checks"]}
-    assert not [name for name in checks if name.startswith("packages.")]
+    # nothing of this machine: its packages, its disk, its Python
+    assert not [name for name in checks if name.startswith("packages.") or name == "disk.space"]
+    assert "Python" not in checks["hardware.os"]["message"]
     assert checks["hardware.gpu1"]["value"]["name"] == "Tesla T4" and checks["kaggle.output_size"]["status"] == WARN
     plan = plan_contents(BundleSettings(str(tmp_path / "b"), "ptbr-tester", "ptbr-800m-run",
                                         config=str(out / "recommended_config.json")))
     assert plan.settings["precision"] == "fp16" and plan.settings["num_processes"] == "2"
-    assert "note:" not in caplog.text
+    assert "note:" not in caplog.text + capsys.readouterr().err  # (the console's, or the records where a handler was left)
     # what only this machine could load, and what two processes cannot run
     assert main([*request, "--output", str(tmp_path / "p2"), "--load-test"]) == 2
     assert "--load-test loads the model on this machine, not on Kaggle's" in capsys.readouterr().err
@@ -748,3 +759,9 @@ def test_preflight_for_kaggle_plans_the_two_t4s_and_the_bundle_takes_its_config(
     compiled = {c["name"]: c for c in json.loads((tmp_path / "p3" / "preflight_report.json").read_text())["checks"]}
     assert compiled["settings.compile"]["status"] == FAIL
     assert "a run of 2 data-parallel processes" in compiled["settings.compile"]["message"]
+    # its fix, one process, is kept as given (it became 2, and the plan then failed its own check)
+    assert main([*request, "--output", str(tmp_path / "p4"), "--compile", "--num-processes", "1"]) == 0
+    assert json.loads((tmp_path / "p4" / "recommended_config.json").read_text())["num_processes"] == "1"
+    # what the bundle refuses
+    assert main([*request, "--output", str(tmp_path / "p5"), "--backend", "mlx"]) == 2
+    assert "--device auto --backend mlx is not on Kaggle" in capsys.readouterr().err

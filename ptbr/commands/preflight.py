@@ -19,13 +19,16 @@ def main(args) -> int:
     args.output = settings.output  # for the crash report
     hardware, kaggle = None, args.plan_for == "kaggle"
     if kaggle:
+        from ptbr.kaggle.bundle import KAGGLE_BACKENDS, KAGGLE_DEVICES
+        from ptbr.kaggle.layout import KAGGLE_RUN_DEFAULTS
         from ptbr.preflight.hardware import KAGGLE_T4X2
 
         if args.load_test:
             raise ConfigError("--load-test loads the model on this machine, not on Kaggle's", "--for kaggle",
                               "leave --load-test out: the kernel runs preflight on the T4s before training")
-        from ptbr.kaggle.layout import KAGGLE_RUN_DEFAULTS
-
+        if settings.device not in KAGGLE_DEVICES or settings.backend not in KAGGLE_BACKENDS:
+            raise ConfigError(f"--device {settings.device} --backend {settings.backend} is not on Kaggle", "--for kaggle",
+                              f"use --device {' or '.join(KAGGLE_DEVICES)} and --backend {' or '.join(KAGGLE_BACKENDS)}")
         hardware = KAGGLE_T4X2
         # the bundle's defaults where the settings say nothing: a process on each T4, two checkpoints kept
         defaults = {key: value for key, value in KAGGLE_RUN_DEFAULTS.items() if key not in given}
@@ -59,9 +62,9 @@ def print_result(result, kaggle: bool = False) -> None:
     if result.config_path:
         command = "train" if result.mode == "pretrain" else "finetune"
         print(f"recommended config: {result.config_path}")
-        if kaggle:
-            mode = "" if result.mode == "pretrain" else " --mode finetune --base BASE"
+        if kaggle:  # the config holds the data and base planned with (none: the PT-BR sample, as in the bundle)
+            mode = "" if result.mode == "pretrain" else " --mode finetune"
             print(f"next: ptbr kaggle bundle --config {result.config_path} --owner YOUR_KAGGLE_USERNAME --slug NAME "
-                  f"--output bundles/NAME --data DATA{mode}")
+                  f"--output bundles/NAME{mode}")
         else:
             print(f"next: ptbr {command} --config {result.config_path}")

@@ -150,7 +150,7 @@ def plan_contents(settings: BundleSettings) -> Plan:
     # the kernel asks for Kaggle's T4 x 2 (kernel-metadata.json): what those GPUs cannot run would
     # fail only there, after the session started
     planned_elsewhere = ("; a recommended_config.json holds what preflight planned for the machine it ran on"
-                         if "reasons" in file_values else "")
+                         if "reasons" in file_values and file_values.get("planned_for") != "kaggle" else "")
     if checked.precision == "bf16":
         problems.append("precision 'bf16' is not on Kaggle's T4s (no native bf16): set precision to auto (fp16 "
                         f"with a loss scaler there), fp16 or fp32{planned_elsewhere}")

@@ -77,7 +77,7 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     mode = mode_of(settings)
     hardware = hardware or probe_hardware()
     target = choose_target(hardware, mode, settings.device, settings.backend)
-    checks = check_hardware(hardware, settings.device)
+    checks = check_hardware(hardware, settings.device, here=not elsewhere)
     arch, max_positions, examples, longest, sizes = None, None, None, None, {}
 
     if mode == "pretrain":
@@ -124,8 +124,9 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     if arch is not None:
         planned = settings  # without the device, the checkpoints are still the requested run's
         if not absent:
+            processes_given = (given is None or "num_processes" in given) and settings.num_processes != "auto"
             recommendation = recommend(hardware, settings, arch, max_positions=max_positions, examples=examples,
-                                       longest=longest)
+                                       longest=longest, processes_given=processes_given)
             checks += _memory_checks(recommendation, settings)
             planned = recommendation.settings
         trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(settings.lora_r)
@@ -136,13 +137,14 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     compiled_run = (dataclasses.replace(settings, precision=recommendation.settings.precision)
                     if recommendation is not None else settings)
     checks += check_compile_request(settings, target, hardware, arch, compiled_run, probe=not elsewhere)
-    checks += check_output_of_its_own(settings) + check_output(settings.output, needed, one, hardware.in_kaggle)
+    checks += check_output_of_its_own(settings) + check_output(settings.output, needed, one, hardware.in_kaggle,
+                                                               here=not elsewhere)
     if not elsewhere:  # (a kernel's own run: its output folder, its GPUs as Kaggle gave them)
         checks += check_kaggle(hardware, settings.output)
 
     result = PreflightResult(mode, checks, hardware, recommendation, extra=sizes)
     if write:
-        _write(result, settings, given)
+        _write(result, settings, given, planned_for="kaggle" if elsewhere else None)
     return result
 
 
@@ -182,7 +184,8 @@ def _memory_checks(rec: Recommendation, settings: LoopSettings) -> list[Check]:
     return checks
 
 
-def _write(result: PreflightResult, settings: LoopSettings, given: set[str] | None) -> None:
+def _write(result: PreflightResult, settings: LoopSettings, given: set[str] | None,
+           planned_for: str | None = None) -> None:
     directory = Path(settings.output)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -213,7 +216,8 @@ def _write(result: PreflightResult, settings: LoopSettings, given: set[str] | No
     _write_json(directory / REPORT_FILE, report)
     result.report_path = directory / REPORT_FILE
     if config_path is not None:
-        _write_json(config_path, rec.config_file(given))
+        # what it was planned for, where that is not this machine (the Kaggle bundle reads it)
+        _write_json(config_path, rec.config_file(given) | ({"planned_for": planned_for} if planned_for else {}))
         result.config_path = config_path
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
-from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output
+from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output, model_files_in
 from ptbr.memory import GIB, Architecture, chunked_loss_from, experts_of, loss_compiled_with_forward
 from ptbr.preflight.hardware import Hardware
 from ptbr.preflight.recommend import requested_processes
@@ -44,8 +44,10 @@ def gib(n: float) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def check_hardware(hw: Hardware, device: str) -> list[Check]:
-    checks = [Check("hardware.os", PASS, hw.os, f"{hw.os}, Python {platform.python_version()}, {hw.cpu_cores} CPU cores")]
+def check_hardware(hw: Hardware, device: str, here: bool = True) -> list[Check]:
+    """`here` False: `hw` is another machine's, planned for (this one's Python is not its)."""
+    python = f", Python {platform.python_version()}" if here else ""
+    checks = [Check("hardware.os", PASS, hw.os, f"{hw.os}{python}, {hw.cpu_cores} CPU cores")]
     if not hw.ram_total:
         checks.append(Check("hardware.ram", WARN, None, "RAM could not be read", "install psutil"))
     else:
@@ -407,17 +409,27 @@ def checkpoint_bytes(mode: str, parameters: int, trainable: int) -> int:
 
 
 def check_output_of_its_own(settings: PretrainConfig | FinetuneConfig) -> list[Check]:
-    """The run refuses an --output that is the directory of its --data, --valid or --base (exit 6)."""
+    """The run refuses an --output that is the directory of its --data, --valid or --base, or one
+    that holds a dataset or a model (exit 6; ptbr/runs/common.py create_run_dir)."""
+    from ptbr.data.tokens import dataset_files_in
+
     flag = input_named_as_output(settings)
-    if flag is None:
+    if flag is not None:
+        why = f"--output is the directory of --{flag} {getattr(settings, flag)}"
+    elif dataset_files_in(settings.output):
+        why = f"the output directory holds a dataset ({dataset_files_in(settings.output)[0]}), not a run"
+    elif model_files_in(settings.output):
+        why = f"the output directory holds a model ({model_files_in(settings.output)[0]}), not a run"
+    else:
         return []
-    return [Check("disk.output", FAIL, str(settings.output), f"--output is the directory of --{flag} "
-                  f"{getattr(settings, flag)}: the run would refuse it", OWN_OUTPUT_FIX)]
+    return [Check("disk.output", FAIL, str(settings.output), f"{why}: the run would refuse it", OWN_OUTPUT_FIX)]
 
 
-def check_output(output: str, needed: int | None, one_checkpoint: int | None, in_kaggle: bool) -> list[Check]:
+def check_output(output: str, needed: int | None, one_checkpoint: int | None, in_kaggle: bool,
+                 here: bool = True) -> list[Check]:
     """Write permission, then free space against what the run's checkpoints will take (None: not
-    known, the model's size could not be read)."""
+    known, the model's size could not be read). `here` False: the run is planned for another
+    machine, whose disk this one cannot see (Kaggle's output limit is still checked)."""
     directory = Path(output)
     checks = []
     try:
@@ -432,6 +444,10 @@ def check_output(output: str, needed: int | None, one_checkpoint: int | None, in
         return checks
     free = shutil.disk_usage(directory).free
     value = {"free": free, "needed": needed, "one_checkpoint": one_checkpoint}
+    if not here:
+        if in_kaggle and needed is not None and needed > 19 * GIB:
+            checks.append(kaggle_output_size(needed))
+        return checks
     if needed is None or one_checkpoint is None:
         checks.append(Check("disk.space", PASS, value, f"{gib(free)} free (the checkpoints' size is unknown: the "
                             "model could not be read)"))
@@ -445,10 +461,14 @@ def check_output(output: str, needed: int | None, one_checkpoint: int | None, in
     else:
         checks.append(Check("disk.space", PASS, value, f"{gib(free)} free, the run's checkpoints take {gib(needed)}"))
     if in_kaggle and needed > 19 * GIB:
-        checks.append(Check("kaggle.output_size", WARN, needed, f"the run writes {gib(needed)}; Kaggle keeps about 20 GB of "
-                            "/kaggle/working", "keep fewer checkpoints: a lower --keep-last (N keeps N + 1 for a moment, the "
-                            "newest written before the oldest goes), or a larger --save-every"))
+        checks.append(kaggle_output_size(needed))
     return checks
+
+
+def kaggle_output_size(needed: int) -> Check:
+    return Check("kaggle.output_size", WARN, needed, f"the run writes {gib(needed)}; Kaggle keeps about 20 GB of "
+                 "/kaggle/working", "keep fewer checkpoints: a lower --keep-last (N keeps N + 1 for a moment, the "
+                 "newest written before the oldest goes), or a larger --save-every")
 
 
 def checkpoint_plan(settings: PretrainConfig | FinetuneConfig, parameters: int, trainable: int,

@@ -168,16 +168,17 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str], processes
 
 def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *,
               max_positions: int | None = None, examples: int | None = None,
-              longest: int | None = None) -> Recommendation:
+              longest: int | None = None, processes_given: bool = False) -> Recommendation:
     """The settings to run with on this hardware, and why. Fine-tuning: `examples` gives the
     steps per epoch; `longest` (tokens of the longest example) the length to plan memory for,
-    since a micro-batch is padded to its longest example, never beyond it."""
+    since a micro-batch is padded to its longest example, never beyond it. `processes_given`: the
+    user set a number of processes (kept, up to the GPUs there are; else one on each GPU)."""
     reasons: list[str] = []
     mode = mode_of(requested)
     key = seq_key(mode)
     target = choose_target(hardware, mode, requested.device, requested.backend)
     precision = choose_precision(hardware, target, requested.precision, reasons, mode)
-    processes = plan_processes(hardware, target, requested, reasons)
+    processes = plan_processes(hardware, target, requested, reasons, processes_given)
     effective = requested.batch_size * requested.grad_accum * requested_processes(hardware, target, requested)
     if effective % processes:
         processes = max(d for d in range(1, processes + 1) if effective % d == 0)
@@ -288,11 +289,17 @@ def requested_processes(hardware: Hardware, target: str, requested: LoopSettings
     return int(requested.num_processes)
 
 
-def plan_processes(hardware: Hardware, target: str, requested: LoopSettings, reasons: list[str]) -> int:
-    """Data-parallel processes: one per GPU, on every GPU there is (Kaggle's 2x T4: both)."""
+def plan_processes(hardware: Hardware, target: str, requested: LoopSettings, reasons: list[str],
+                   given: bool = False) -> int:
+    """Data-parallel processes: one per GPU, on every GPU there is (Kaggle's 2x T4: both); a number
+    the user gave is kept (--compile runs in one process), up to the GPUs there are."""
     gpus = len(hardware.gpus) if target == "cuda" else 0
     if gpus <= 1:
         return 1
+    if given and str(requested.num_processes).isdigit() and int(requested.num_processes) < gpus:
+        asked = max(1, int(requested.num_processes))
+        reasons.append(f"--num-processes {asked} as given: {asked} of the {gpus} GPUs ({gpus}: one process on each)")
+        return asked
     reasons.append(f"{gpus} GPUs: --num-processes {gpus}, one data-parallel process on each "
                    f"({', '.join(sorted({g.name for g in hardware.gpus}))})")
     return gpus

@@ -25,7 +25,7 @@ from pathlib import Path
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
 from ptbr.data.tokens import dataset_files_in
-from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output
+from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output, model_files_in
 from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, OutputError, PtbrError, error_line
 from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
 from ptbr.log import attach_run_log, detach, log, to_file_only
@@ -50,9 +50,6 @@ from ptbr.versions import install_extra
 RUN_FILES = ("checkpoints", "final", "adapters", "merged", "metrics.jsonl", "metrics.csv", "training_summary.json",
              "run_config.json", "crash_report.txt", "hang_report.txt", "report.md", "plots", "tensorboard")
 PREVIOUS = "previous"
-# What makes a directory a model's (weights or an adapter's), never found at the top of a run's
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors",
-               "adapters.safetensors")
 
 
 def create_run_dir(output: str) -> Path:
@@ -66,7 +63,7 @@ def create_run_dir(output: str) -> Path:
         raise OutputError(f"the output directory holds a dataset ({dataset[0]}), not a run", str(run_dir),
                           "give the run a directory of its own with --output (e.g. runs/NAME); a dataset is "
                           "what --data names")
-    model = [name for name in MODEL_FILES if (run_dir / name).exists()]
+    model = model_files_in(run_dir)
     if model:
         # a finished model's folder (a run's final/, a base, an adapter): the run would mix its files in
         raise OutputError(f"the output directory holds a model ({model[0]}), not a run", str(run_dir),

@@ -475,6 +475,8 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     # already in the asked format: a copy, and said so (it said "converted from peft to peft")
     assert main(["export-adapter", str(peft), "--to", "peft", "--output", str(tmp_path / "same")]) == 0
     assert capsys.readouterr().out.startswith("adapter copied in peft's format (it was in it already) in ")
+    assert (json.loads((tmp_path / "same" / "ptbr_adapter.json").read_text()).get("converted_from")
+            == json.loads((peft / "ptbr_adapter.json").read_text()).get("converted_from"))
     a, b = mx.load(f"{adapters}/adapters.safetensors"), mx.load(str(back / "adapters.safetensors"))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert json.loads((back / "adapter_config.json").read_text())["lora_parameters"] == json.loads(

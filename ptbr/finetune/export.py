@@ -223,7 +223,9 @@ def convert_into(adapter: str | Path, to: str, target: Path, base: str | None = 
                                                                           encoding="utf-8")
     meta_path = target / ADAPTER_META
     if meta_path.is_file():  # which library's format it is now in
-        meta = read_json(meta_path) | {"backend": "torch" if to == "peft" else "mlx", "converted_from": source}
+        meta = read_json(meta_path) | {"backend": "torch" if to == "peft" else "mlx"}
+        if source != to:  # a copy in its own format keeps what the adapter said of itself
+            meta["converted_from"] = source
         meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return source
 

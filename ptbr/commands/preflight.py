@@ -33,6 +33,8 @@ def main(args) -> int:
         # the bundle's defaults where the settings say nothing: a process on each T4, two checkpoints kept
         defaults = {key: value for key, value in KAGGLE_RUN_DEFAULTS.items() if key not in given}
         settings, given = dataclasses.replace(settings, **defaults), given | set(defaults)
+        # what `auto` is there (torch: the bundle installs no MLX), not what it is on this machine (a Mac's MLX)
+        settings = dataclasses.replace(settings, backend="torch")
     quiet_transformers()
     result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, elsewhere=kaggle)
     print_result(result, kaggle)

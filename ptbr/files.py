@@ -245,30 +245,3 @@ def file_sha256(path: Path | str) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-OWN_OUTPUT_FIX = "give the run a directory of its own with --output (e.g. runs/NAME)"
-# What makes a directory a model's (weights or an adapter's), never found at the top of a run's
-RUN_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                   "adapter_model.safetensors", "adapters.safetensors")
-
-
-def model_files_in(directory: str | Path) -> list[str]:
-    """The files that make `directory` a model's folder (a run's final/, a base, an adapter)."""
-    return [name for name in RUN_MODEL_FILES if (Path(directory) / name).exists()]
-
-
-def input_named_as_output(settings) -> str | None:
-    """Which of the run's inputs (--data, --valid, --base) `settings.output` is the directory of (a
-    file's folder), as its flag; None where none is. A run refuses it (ptbr/runs/common.py), and
-    preflight fails it: the run's files would mix with the data or the model (and starting over
-    would move files there)."""
-    output = Path(settings.output).expanduser().resolve()
-    for flag in ("data", "valid", "base"):
-        value = getattr(settings, flag, None)
-        source = Path(value).expanduser() if value else None
-        if source is None or not source.exists():
-            continue
-        if (source.resolve() if source.is_dir() else source.resolve().parent) == output:
-            return flag
-    return None

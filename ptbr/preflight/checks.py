@@ -14,8 +14,8 @@ from typing import Any
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
-from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output, model_files_in
 from ptbr.memory import GIB, Architecture, chunked_loss_from, experts_of, loss_compiled_with_forward
+from ptbr.outputs import folder_refusal, input_refusal
 from ptbr.preflight.hardware import Hardware
 from ptbr.preflight.recommend import requested_processes
 from ptbr.versions import package_versions
@@ -409,20 +409,12 @@ def checkpoint_bytes(mode: str, parameters: int, trainable: int) -> int:
 
 
 def check_output_of_its_own(settings: PretrainConfig | FinetuneConfig) -> list[Check]:
-    """The run refuses an --output that is the directory of its --data, --valid or --base, or one
-    that holds a dataset or a model (exit 6; ptbr/runs/common.py create_run_dir)."""
-    from ptbr.data.tokens import dataset_files_in
-
-    flag = input_named_as_output(settings)
-    if flag is not None:
-        why = f"--output is the directory of --{flag} {getattr(settings, flag)}"
-    elif dataset_files_in(settings.output):
-        why = f"the output directory holds a dataset ({dataset_files_in(settings.output)[0]}), not a run"
-    elif model_files_in(settings.output):
-        why = f"the output directory holds a model ({model_files_in(settings.output)[0]}), not a run"
-    else:
+    """What the run would refuse as its --output (exit 6; ptbr/outputs.py): the directory of its
+    --data, --valid or --base, a file, a folder that holds a dataset or a model."""
+    refused = input_refusal(settings) or folder_refusal(settings.output)
+    if refused is None:
         return []
-    return [Check("disk.output", FAIL, str(settings.output), f"{why}: the run would refuse it", OWN_OUTPUT_FIX)]
+    return [Check("disk.output", FAIL, str(settings.output), f"{refused[0]}: the run would refuse it", refused[1])]
 
 
 def check_output(output: str, needed: int | None, one_checkpoint: int | None, in_kaggle: bool,

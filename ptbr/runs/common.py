@@ -24,10 +24,9 @@ from pathlib import Path
 
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
-from ptbr.data.tokens import dataset_files_in
-from ptbr.files import OWN_OUTPUT_FIX, input_named_as_output, model_files_in
 from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, OutputError, PtbrError, error_line
 from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
+from ptbr.outputs import folder_refusal, input_refusal
 from ptbr.log import attach_run_log, detach, log, to_file_only
 from ptbr.memory import Architecture, estimate_run
 from ptbr.report import matplotlib_installed, write_report
@@ -54,20 +53,9 @@ PREVIOUS = "previous"
 
 def create_run_dir(output: str) -> Path:
     run_dir = Path(output)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise OutputError("the output path is a file, not a directory", str(run_dir),
-                          "give --output a directory: a new one, or an earlier run's")
-    dataset = dataset_files_in(run_dir)
-    if dataset:
-        # a run would write its checkpoints among the data, and starting over would move files there
-        raise OutputError(f"the output directory holds a dataset ({dataset[0]}), not a run", str(run_dir),
-                          "give the run a directory of its own with --output (e.g. runs/NAME); a dataset is "
-                          "what --data names")
-    model = model_files_in(run_dir)
-    if model:
-        # a finished model's folder (a run's final/, a base, an adapter): the run would mix its files in
-        raise OutputError(f"the output directory holds a model ({model[0]}), not a run", str(run_dir),
-                          f"{OWN_OUTPUT_FIX}; a model is what --base or --model names")
+    refused = folder_refusal(run_dir)
+    if refused:
+        raise OutputError(refused[0], str(run_dir), refused[1])
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".tmp-write-test-{os.getpid()}"  # its own name: two runs starting at once
@@ -80,11 +68,10 @@ def create_run_dir(output: str) -> Path:
 
 
 def refuse_an_input_as_output(settings) -> None:
-    """The run's --output may not be the directory of its --data, --valid or --base (files.input_named_as_output)."""
-    flag = input_named_as_output(settings)
-    if flag is not None:
-        raise OutputError(f"--output is the directory of --{flag} {getattr(settings, flag)}", str(settings.output),
-                          OWN_OUTPUT_FIX)
+    """The run's --output may not be the directory of its --data, --valid or --base (ptbr/outputs.py)."""
+    refused = input_refusal(settings)
+    if refused:
+        raise OutputError(refused[0], str(settings.output), refused[1])
 
 
 @contextmanager

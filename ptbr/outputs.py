@@ -1,0 +1,46 @@
+"""What a run's --output may be: a directory of its own, not its inputs' folder, nor one that
+holds a dataset or a model, nor a file. `ptbr train`/`ptbr finetune` refuse the rest (exit 6,
+ptbr/runs/common.py) and `ptbr preflight` fails it (ptbr/preflight/checks.py), in the same words:
+the run's files would mix with the data or the model, and starting over would move files there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ptbr.data.tokens import dataset_files_in
+
+OWN_OUTPUT_FIX = "give the run a directory of its own with --output (e.g. runs/NAME)"
+# What makes a directory a model's (weights or an adapter's), never found at the top of a run's
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors",
+               "adapters.safetensors")
+
+
+def input_refusal(settings) -> tuple[str, str] | None:
+    """(why, fix) where `settings.output` is the directory of the run's --data, --valid or --base
+    (a file's folder); None where it is none of them."""
+    output = Path(settings.output).expanduser().resolve()
+    for flag in ("data", "valid", "base"):
+        value = getattr(settings, flag, None)
+        source = Path(value).expanduser() if value else None
+        if source is None or not source.exists():
+            continue
+        if (source.resolve() if source.is_dir() else source.resolve().parent) == output:
+            return f"--output is the directory of --{flag} {value}", OWN_OUTPUT_FIX
+    return None
+
+
+def folder_refusal(output: str | Path) -> tuple[str, str] | None:
+    """(why, fix) where `output` cannot hold a run: a file, a dataset's folder, a model's (a run's
+    final/, a base, an adapter); None where it can."""
+    folder = Path(output)
+    if folder.exists() and not folder.is_dir():
+        return "the output path is a file, not a directory", "give --output a directory: a new one, or an earlier run's"
+    dataset = dataset_files_in(folder)
+    if dataset:
+        return (f"the output directory holds a dataset ({dataset[0]}), not a run",
+                f"{OWN_OUTPUT_FIX}; a dataset is what --data names")
+    model = [name for name in MODEL_FILES if (folder / name).exists()]
+    if model:
+        return (f"the output directory holds a model ({model[0]}), not a run",
+                f"{OWN_OUTPUT_FIX}; a model is what --base or --model names")
+    return None

@@ -399,6 +399,52 @@ def test_finetune_preflight_reads_the_base_and_checks_the_jsonl(toy_base, tmp_pa
     assert [c["name"] for c in failed] == ["data.train"] and "line 25" in failed[0]["message"]
 
 
+def test_a_plan_for_kaggle_reads_a_base_s_config_without_its_weights(toy_base, tmp_path, capsys):
+    """A fine-tuning plan for Kaggle, whose base is a model hosted there (`kaggle:`, which nothing
+    here can read): planned from a local folder holding the same model's config.json and tokenizer,
+    its weights left out (a warning, and the bundle command names the Kaggle model); a `kaggle:` base
+    fails with that fix; a plan for this machine still needs the weights."""
+    import shutil
+
+    from ptbr.cli import main
+    from ptbr.kaggle.bundle import plan_contents
+    from ptbr.kaggle.settings import BundleSettings
+
+    config_only = tmp_path / "config-only"
+    shutil.copytree(toy_base, config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    data = toy_base.parent / "train.jsonl"
+    common = ["preflight", "--mode", "finetune", "--data", str(data), "--max-seq-len", "64"]
+    assert main([*common, "--base", str(config_only), "--for", "kaggle", "--output", str(tmp_path / "plan")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("--mode finetune --base kaggle:OWNER/MODEL/FRAMEWORK/VARIATION")
+    checks = {c["name"]: c for c in json.loads((tmp_path / "plan" / "preflight_report.json").read_text())["checks"]}
+    assert checks["model.weights"]["status"] == WARN and "planned from its config.json" in checks["model.weights"]["message"]
+    assert checks["model.tokenizer"]["status"] == PASS and checks["data.train"]["value"]["examples"] == 24
+    assert checks["memory.recommended"]["status"] == PASS
+    # the same plan from the complete base: no warning, the same batch
+    assert main([*common, "--base", str(toy_base), "--for", "kaggle", "--output", str(tmp_path / "full")]) == 0
+    full = json.loads((tmp_path / "full" / "recommended_config.json").read_text())
+    planned = json.loads((tmp_path / "plan" / "recommended_config.json").read_text())
+    assert "model.weights" not in capsys.readouterr().out
+    assert {k: planned[k] for k in ("batch_size", "grad_accum", "precision")} == {
+        k: full[k] for k in ("batch_size", "grad_accum", "precision")}
+    # the bundle takes the plan with the model on Kaggle (the config's local base is left out)
+    plan = plan_contents(BundleSettings(str(tmp_path / "b"), "ptbr-tester", "ptbr-ft-run", mode="finetune",
+                                        config=str(tmp_path / "plan" / "recommended_config.json"), data=str(data),
+                                        base="kaggle:mistral-ai/mistral/transformers/7b-v0.1"))
+    assert plan.base == {"kaggle": "mistral-ai/mistral/transformers/7b-v0.1"} and "base" not in plan.settings
+
+    assert main([*common, "--base", "kaggle:mistral-ai/mistral/transformers/7b-v0.1", "--for", "kaggle",
+                 "--output", str(tmp_path / "hosted")]) == 10
+    hosted = {c["name"]: c for c in json.loads((tmp_path / "hosted" / "preflight_report.json").read_text())["checks"]}
+    assert hosted["model.base"]["status"] == FAIL and "hosted on Kaggle" in hosted["model.base"]["message"]
+    assert "the weights can be left out with --for kaggle" in hosted["model.base"]["fix"]
+    # for this machine a base without weights is not one
+    assert main([*common, "--base", str(config_only), "--output", str(tmp_path / "here")]) == 10
+    here = {c["name"]: c for c in json.loads((tmp_path / "here" / "preflight_report.json").read_text())["checks"]}
+    assert here["model.base"]["status"] == FAIL and "no weights" in here["model.base"]["message"]
+
+
 def test_an_output_that_is_the_data_s_or_the_base_s_directory_fails_as_the_run_would(toy_base, tmp_path, capsys):
     """preflight passed an --output that is the directory of --data (or --base), and then told the
     user to run `ptbr train --config` there, which refuses it (exit 6): the same refusal is a failed

@@ -65,7 +65,11 @@ def print_result(result, kaggle: bool = False) -> None:
         command = "train" if result.mode == "pretrain" else "finetune"
         print(f"recommended config: {result.config_path}")
         if kaggle:  # the config holds the data and base planned with (none: the PT-BR sample, as in the bundle)
+            from ptbr.preflight.checks import KAGGLE_BASE
+
             mode = "" if result.mode == "pretrain" else " --mode finetune"
+            if any(c.name == "model.weights" for c in result.checks):  # planned from a config.json: the model on Kaggle
+                mode += f" {KAGGLE_BASE}"
             print(f"next: ptbr kaggle bundle --config {result.config_path} --owner YOUR_KAGGLE_USERNAME --slug NAME "
                   f"--output bundles/NAME{mode}")
         else:

@@ -38,9 +38,10 @@ def _adapter_base(adapter: Path) -> str | None:
     return None
 
 
-def check_base(base: str, download: bool = False, what: str = "base model") -> None:
-    """A local base must be a directory with config.json and weights. Anything else is an error,
-    unless `download` allows a Hugging Face Hub id."""
+def check_base(base: str, download: bool = False, what: str = "base model", weights: bool = True) -> None:
+    """A local base must be a directory with config.json and weights (`weights` False: config.json
+    is enough, as for a plan made for another machine). Anything else is an error, unless `download`
+    allows a Hugging Face Hub id."""
     path = Path(base).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -61,7 +62,7 @@ def check_base(base: str, download: bool = False, what: str = "base model") -> N
                 fix = (f"this is a LoRA adapter: give its base model, and the adapter apart (--model "
                        f"{named or 'BASE'} --adapter {base} for generate; --base and --adapter for merge)")
             raise ModelError(f"no config.json in the {what} directory", base, fix)
-        if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        if weights and not has_weights(path):
             raise ModelError(f"no weights (*.safetensors or pytorch_model*.bin) in the {what} directory", base,
                              "download the complete model, weights included")
         return
@@ -71,6 +72,10 @@ def check_base(base: str, download: bool = False, what: str = "base model") -> N
     if ORG_AND_NAME.match(base):
         fix += f", or add --download to fetch {base} from the Hugging Face Hub"
     raise ModelError(f"{what} directory not found", base, fix)
+
+
+def has_weights(directory: Path) -> bool:
+    return any(any(directory.glob(pattern)) for pattern in WEIGHT_PATTERNS)
 
 
 def local_path(base: str) -> str:
@@ -86,12 +91,12 @@ def load_error(what: str, base: str, exc: Exception) -> ModelError:
     return ModelError(f"cannot load the {what}: {reason}", base, fix)
 
 
-def load_tokenizer(base: str, trust_remote_code: bool = False, download: bool = False):
+def load_tokenizer(base: str, trust_remote_code: bool = False, download: bool = False, weights: bool = True):
     """The base's tokenizer (one without a chat template gets DEFAULT_CHAT_TEMPLATE where chat
-    examples are encoded: ptbr.finetune.data)."""
+    examples are encoded: ptbr.finetune.data). `weights`: as check_base's."""
     from transformers import AutoTokenizer
 
-    check_base(base, download)
+    check_base(base, download, weights=weights)
     try:
         tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=trust_remote_code,
                                                   local_files_only=not download)

@@ -90,8 +90,8 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
         quant = None
     else:
         quant = quant_name(settings.quant, target)
-        model_checks, base_config = read_base_config(settings)
-        tokenizer_checks, tokenizer = load_base_tokenizer(settings, base_config) if base_config else ([], None)
+        model_checks, base_config = read_base_config(settings, elsewhere)
+        tokenizer_checks, tokenizer = load_base_tokenizer(settings, base_config, elsewhere) if base_config else ([], None)
         max_positions = base_positions(base_config)
         data_checks, summary = check_finetune_data(settings, tokenizer, max_positions)
         checks += model_checks + tokenizer_checks + data_checks

@@ -21,6 +21,8 @@ from ptbr.preflight.recommend import requested_processes
 from ptbr.versions import package_versions
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
+# a fine-tuning base hosted on Kaggle, as `ptbr kaggle bundle --base` takes it
+KAGGLE_BASE = "--base kaggle:OWNER/MODEL/FRAMEWORK/VARIATION"
 
 
 @dataclass
@@ -314,14 +316,24 @@ def mixture_of_experts(config: dict) -> Check | None:
                  "activations); --load-test checks that the base loads")
 
 
-def read_base_config(settings: FinetuneConfig) -> tuple[list[Check], dict | None]:
-    """The base model's config.json, read as JSON (no weights, no network)."""
+def read_base_config(settings: FinetuneConfig, elsewhere: bool = False) -> tuple[list[Check], dict | None]:
+    """The base model's config.json, read as JSON (no weights, no network). `elsewhere` (a plan for
+    Kaggle): the weights need not be here, and a model hosted on Kaggle, unreadable here, is named as such."""
     from ptbr.backends import resolve_name
-    from ptbr.finetune.base import check_base, read_config
+    from ptbr.finetune.base import check_base, has_weights, read_config
 
     base = settings.base
+    if elsewhere and base.startswith("kaggle:"):
+        return [Check("model.base", FAIL, base, "a model hosted on Kaggle cannot be read from here, and the plan needs "
+                      "its config.json", "plan with a local folder holding the same model's config.json and tokenizer "
+                      "files (the weights can be left out with --for kaggle), then bundle with --base " + base)], None
+    weightless = []
     try:
-        check_base(base, settings.download)
+        check_base(base, settings.download, weights=not elsewhere)
+        if elsewhere and Path(base).expanduser().is_dir() and not has_weights(Path(base).expanduser()):
+            weightless = [Check("model.weights", WARN, base, f"no weights in {base}: planned from its config.json",
+                                f"bundle with the model on Kaggle ({KAGGLE_BASE}), or with a folder holding the "
+                                "weights too")]
         if resolve_name(settings.backend) == "torch":
             from ptbr.backends.torch.lora import refuse_prequantized
 
@@ -348,7 +360,7 @@ def read_base_config(settings: FinetuneConfig) -> tuple[list[Check], dict | None
         return [Check("model.config", FAIL, str(path), f"config.json {' and '.join(found)}",
                       "use a complete Llama/Mistral/Qwen-style decoder config")], None
     kind = (config.get("architectures") or [config.get("model_type", "?")])[0]
-    return [Check("model.config", PASS, {k: config.get(k) for k in needed + ("num_key_value_heads", "model_type")},
+    return weightless + [Check("model.config", PASS, {k: config.get(k) for k in needed + ("num_key_value_heads", "model_type")},
                   f"{base}: {kind}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
                   f"vocab {config['vocab_size']:,}")], config
 
@@ -363,11 +375,12 @@ def _hub_cache_dir(repo_id: str) -> Path | None:
         return None
 
 
-def load_base_tokenizer(settings: FinetuneConfig, config: dict | None = None) -> tuple[list[Check], Any]:
+def load_base_tokenizer(settings: FinetuneConfig, config: dict | None = None,
+                        elsewhere: bool = False) -> tuple[list[Check], Any]:
     from ptbr.finetune.base import check_tokenizer_fits, load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(settings.base, settings.trust_remote_code, settings.download)
+        tokenizer = load_tokenizer(settings.base, settings.trust_remote_code, settings.download, weights=not elsewhere)
         check_tokenizer_fits(settings.base, tokenizer, config)
     except PtbrError as exc:
         return [Check("model.tokenizer", FAIL, settings.base, exc.what, exc.fix)], None

@@ -216,6 +216,11 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         config = json.loads((toy.base / "config.json").read_text()) | {"num_hidden_layers": count}
         (other_bases[count] / "config.json").write_text(json.dumps(config))
     finetune = ["finetune", "--quant", "none", "--max-steps", "1", "--output"]
+    # another model (a base, a run's final/) and another run's adapters/: the same kinds of files as
+    # a merge's or an export's, which merge and export-adapter replaced without a word
+    other_model, other_adapters = tmp_path / "other-model", tmp_path / "other-run" / "adapters"
+    shutil.copytree(toy.base, other_model)
+    shutil.copytree(adapter, other_adapters)
     (tmp_path / "m-run" / "merged").mkdir(parents=True)  # a run directory whose model is merged/
     shutil.copy(toy.base / "config.json", tmp_path / "m-run" / "merged")
     cases = [Case(finetune + [str(tmp_path / f"f-{key}"), "--base", str(path), "--data", str(toy.data)], 4, "")
@@ -240,6 +245,11 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(adapter_run)], 6,
              "output"),
         Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(toy.base)], 6, "output"),
+        Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(other_model)], 6,
+             "--output holds a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/): the merge "
+             "would replace it"),
+        Case(["export-adapter", str(adapter), "--to", "peft", "--output", str(other_adapters)], 6,
+             "--output holds an adapter that no export wrote (a run's adapters/): the export would replace it"),
         # a fine-tuning run's files would mix with its data's or its base's
         Case(finetune + [str(toy.data), "--base", str(toy.base), "--data", str(toy.data)], 6,
              f"--output is the directory of --data {toy.data}"),

@@ -164,6 +164,7 @@ def test_merge_gives_the_adapted_model(toy, trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from ptbr.cli import main
+    from ptbr.finetune.adapter import read_adapter_meta
 
     batch = {"input_ids": [[5, 17, 42, 99, 7]], "attention_mask": [[1] * 5]}
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy.base), str(trained / "adapters"))
@@ -177,6 +178,10 @@ def test_merge_gives_the_adapted_model(toy, trained, tmp_path):
                  "--output", str(tmp_path / "m")]) == 0
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").state_dict()
     assert all(torch.equal(t, again[k]) for k, t in merged.state_dict().items())
+    assert read_adapter_meta(tmp_path / "m")["merged_from"] == {"base": str(toy.base.resolve()),
+                                                                "adapter": str((trained / "adapters").resolve())}
+    assert main(["merge", "--base", str(toy.base), "--adapter", str(trained / "adapters"),
+                 "--output", str(tmp_path / "m")]) == 0  # an earlier merge: replaced
     assert (tmp_path / "m" / "chat_template.jinja").is_file()  # the template travels with the model
 
 

@@ -46,31 +46,41 @@ def check_adapter(adapter: str | Path) -> Path:
 
 
 def check_merge_output(output: str | Path, base: str, adapter: str | Path) -> Path:
-    """Where a merged model may go: a new or empty directory, or one holding only a model (an
-    earlier merge); never the base, the adapter, a run directory or any other files."""
+    """Where a merged model may go: a new or empty directory, or an earlier merge (only a model's
+    files, and the ptbr_adapter.json every merge writes); never the base, the adapter, another model
+    (a base, a run's final/), a run directory or any other files."""
     def a_model_file(path: Path) -> bool:
         return path.name in MODEL_FILES or (path.is_file() and path.name.startswith("model") and
                                             path.suffix == ".safetensors")
 
     return check_output(output, "the merge", "the merged model", a_model_file,
-                        (("base model", Path(base).expanduser()), ("adapter", Path(adapter))))
+                        (("base model", Path(base).expanduser()), ("adapter", Path(adapter))),
+                        earlier=lambda folder: (folder / ADAPTER_META).is_file(),
+                        not_earlier="a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/)")
 
 
 def check_export_output(output: str | Path, adapter: str | Path, base: str | None) -> Path:
-    """Where a converted adapter may go: a new or empty directory, or one holding only adapter
-    files (an earlier export: both formats' weights and configs, and the files the adapter itself
-    holds); never the adapter, the base, a run directory or any other files."""
+    """Where a converted adapter may go: a new or empty directory, or an earlier export (only
+    adapter files: both formats' weights and configs, the files the adapter itself holds, and a
+    ptbr_adapter.json saying it was exported); never the adapter, the base, a run's adapters/,
+    a run directory or any other files."""
     adapter = Path(adapter)
     own = {*ADAPTER_WEIGHTS, "adapter_config.json", "README.md", ADAPTER_META, *MODEL_FILES}
     own |= {p.name for p in adapter.iterdir()} if adapter.is_dir() else set()
     protected = (("adapter", adapter),) + ((("base model", Path(base).expanduser()),) if base else ())
-    return check_output(output, "the export", "the converted adapter", lambda path: path.name in own, protected)
+
+    def exported(folder: Path) -> bool:  # (converted_from: what exports wrote before exported_from)
+        return bool({"exported_from", "converted_from"} & read_adapter_meta(folder).keys())
+
+    return check_output(output, "the export", "the converted adapter", lambda path: path.name in own, protected,
+                        earlier=exported, not_earlier="an adapter that no export wrote (a run's adapters/)")
 
 
-def check_output(output: str | Path, writing: str, thing: str, replaceable, protected) -> Path:
-    """Where `thing` may be swapped in whole by `writing`: a new or empty directory, or one whose
-    every file `replaceable(path)` accepts (an earlier one); never a `protected` (name, directory),
-    inside one or around one, nor a directory of other files (a run, a dataset, notes)."""
+def check_output(output: str | Path, writing: str, thing: str, replaceable, protected, earlier, not_earlier: str) -> Path:
+    """Where `thing` may be swapped in whole by `writing`: a new or empty directory, or an earlier
+    one (every file `replaceable(path)` accepts it, and `earlier(directory)` recognises it); never a
+    `protected` (name, directory), inside one or around one, nor a directory of other files (a run,
+    a dataset, notes), nor one of the same files that `writing` did not write (`not_earlier`)."""
     path = Path(output)
     if not str(output).strip():
         raise ConfigError("--output must be a directory path, got an empty one", "--output", f"give a new directory for {thing}")
@@ -88,6 +98,9 @@ def check_output(output: str | Path, writing: str, thing: str, replaceable, prot
             shown = ", ".join(other_files[:4]) + (", ..." if len(other_files) > 4 else "")
             raise OutputError(f"--output already holds other files ({shown}): {writing} would replace them",
                               str(output), f"give a new directory for {thing}")
+        if any(path.iterdir()) and not earlier(path):
+            raise OutputError(f"--output holds {not_earlier}: {writing} would replace it", str(output),
+                              f"give a new directory for {thing}")
     return path
 
 

@@ -20,7 +20,7 @@ from ptbr.backends.torch.lora import refuse_prequantized
 from ptbr.errors import ConfigError, ModelError
 from ptbr.files import telling_line, write_directory
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, check_merge_output, read_adapter_meta
-from ptbr.finetune.base import check_base, load_error
+from ptbr.finetune.base import check_base, load_error, local_path
 from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
 
@@ -55,17 +55,23 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
     with ExitStack() as stack:  # an mlx-lm adapter is merged through its PEFT conversion
         merged = apply_adapter(model, Path(adapter_as(adapter, "peft", stack))).merge_and_unload()
 
-    meta = read_adapter_meta(adapter)
+    meta = merged_meta(base, adapter)
 
     def fill(tmp: Path) -> None:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        if meta:  # the data format it was trained on: `ptbr generate` formats prompts by it
-            (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base}: full model ({merged.dtype}) in {output}")
     return output
+
+
+def merged_meta(base: str, adapter: Path) -> dict:
+    """A merged model's ptbr_adapter.json: the adapter's (the data format it was trained on, which
+    `ptbr generate` formats prompts by), and what was merged, which also marks the directory as a
+    merge's (a later merge may replace it; generate applies no adapter on top of it)."""
+    return read_adapter_meta(adapter) | {"merged_from": {"base": local_path(base), "adapter": str(adapter.resolve())}}
 
 
 def apply_adapter(model, adapter: Path):
@@ -96,15 +102,14 @@ def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_re
                                                   local_files_only=not download)
     except Exception as exc:  # noqa: BLE001
         raise load_error("tokenizer", str(tokenizer_dir), exc) from exc
-    meta = read_adapter_meta(adapter)
+    meta = merged_meta(base, adapter)
     merged = {}
 
     def fill(tmp: Path) -> None:
         with ExitStack() as stack:
             merged["dtype"] = merge_into(base, Path(adapter_as(adapter, "mlx", stack)), tmp, dtype, download)
         tokenizer.save_pretrained(str(tmp))
-        if meta:
-            (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base} with MLX: full model ({merged['dtype']}) in {output}")

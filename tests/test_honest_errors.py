@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -211,6 +212,14 @@ def test_examples_longer_than_the_model_are_one_verdict(toy, tmp_path, capsys):
     error = last_error(capsys)
     assert "longer than the base model's 256 positions" in error
     assert error.endswith("; fix: give --max-seq-len 256 or less (the base model's positions)"), error
+    # a GPT-2-style config.json names them n_positions (the run crashed in the position embedding)
+    gpt2_style = tmp_path / "gpt2-style"
+    shutil.copytree(toy.base, gpt2_style)
+    config = json.loads((gpt2_style / "config.json").read_text())
+    config["n_positions"] = config.pop("max_position_embeddings")
+    (gpt2_style / "config.json").write_text(json.dumps(config))
+    assert main(["validate-data", str(long), "--base", str(gpt2_style), "--max-seq-len", "1024"]) == 3
+    assert "1 examples are longer than the base model's 256 positions" in capsys.readouterr().out
 
 
 def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):

@@ -13,7 +13,7 @@ from ptbr.commands import quiet_transformers
 from ptbr.config import MAX_SEED
 from ptbr.errors import ConfigError, ModelError, collect
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, read_adapter_meta
-from ptbr.finetune.base import check_base, load_error, read_config
+from ptbr.finetune.base import check_base, load_error, max_positions, read_config
 from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
 
@@ -200,7 +200,7 @@ def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
     weights = args.adapter and adapter_as(args.adapter, "mlx", stack)
     model = mlx_generate.load_for_generation(Path(model_dir), Path(weights) if weights else None)
     ids = prompt_ids(tokenizer, args.prompt, chat)
-    max_new_tokens = new_tokens_that_fit((read_config(model_dir) or {}).get("max_position_embeddings"), len(ids),
+    max_new_tokens = new_tokens_that_fit(max_positions(read_config(model_dir)), len(ids),
                                          args.max_new_tokens)
     configured = _generation_config(Path(model_dir)).get("eos_token_id")
     new = mlx_generate.generate(model, ids, stop_ids(tokenizer, configured, chat), max_new_tokens, args.temperature,

@@ -131,9 +131,13 @@ def read_config(base: str) -> dict | None:
     return config
 
 
+# config.json's names for how many positions a model has (GPT-2 and GPT-J: n_positions; n_ctx in old files)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+
+
 def max_positions(config: dict | None) -> int | None:
-    positions = (config or {}).get("max_position_embeddings")
-    return positions if isinstance(positions, int) and positions > 0 else None
+    found = [(config or {}).get(key) for key in POSITION_KEYS]
+    return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
 
 def check_tokenizer_fits(base: str, tokenizer, config: dict | None) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ConfigError, ModelError
-from ptbr.finetune.base import check_base, load_error, read_config
+from ptbr.finetune.base import check_base, load_error, max_positions, read_config
 from ptbr.log import log
 
 GROUP_SIZE = 64  # MLX's affine quantization: one scale and one bias per 64 weights
@@ -45,7 +45,7 @@ class MlxAdapted:
 
     @property
     def max_positions(self) -> int | None:
-        return self.config.get("max_position_embeddings")
+        return max_positions(self.config)
 
     @property
     def weights_bytes(self) -> int:

@@ -183,6 +183,8 @@ def test_train_prepare_and_info_on_broken_data(pretrain_inputs, tmp_path, capsys
 
 
 def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     adapter_run = tmp_path / "ft"
     assert main(["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(adapter_run),
                  "--quant", "none", "--lora-r", "4", "--batch-size", "8", "--max-steps", "1"]) == 0
@@ -221,6 +223,11 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
     other_model, other_adapters = tmp_path / "other-model", tmp_path / "other-run" / "adapters"
     shutil.copytree(toy.base, other_model)
     shutil.copytree(adapter, other_adapters)
+    deeper = tmp_path / "deeper-base"  # the adapter's base with one layer more: PEFT only warned, and it merged
+    shutil.copytree(toy.base, deeper, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = AutoConfig.from_pretrained(toy.base)
+    config.num_hidden_layers += 1
+    AutoModelForCausalLM.from_config(config).save_pretrained(deeper)
     (tmp_path / "m-run" / "merged").mkdir(parents=True)  # a run directory whose model is merged/
     shutil.copy(toy.base / "config.json", tmp_path / "m-run" / "merged")
     cases = [Case(finetune + [str(tmp_path / f"f-{key}"), "--base", str(path), "--data", str(toy.data)], 4, "")
@@ -248,6 +255,11 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(other_model)], 6,
              "--output holds a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/): the merge "
              "would replace it"),
+        Case(["merge", "--base", str(deeper), "--adapter", str(adapter), "--output", str(tmp_path / "m-deeper")], 4,
+             "the adapter does not fit this base model: it holds no weights for 14 LoRA tensors this base takes (e.g. "
+             f"base_model.model.model.layers.{layers}."),
+        Case(["generate", "Oi", "--model", str(deeper), "--adapter", str(adapter)], 4,
+             "the adapter does not fit this base model"),
         Case(["export-adapter", str(adapter), "--to", "peft", "--output", str(other_adapters)], 6,
              "--output holds an adapter that no export wrote (a run's adapters/): the export would replace it"),
         # a fine-tuning run's files would mix with its data's or its base's

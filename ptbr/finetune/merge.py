@@ -77,17 +77,30 @@ def merged_meta(base: str, adapter: Path) -> dict:
 def apply_adapter(model, adapter: Path):
     """The PEFT adapter on `model`; an adapter that cannot be read, or was trained on another base,
     is one ModelError that says which of the two it is."""
-    from peft import PeftModel
+    import warnings
 
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+    fix = "give the base model the adapter was trained on (its ptbr_adapter.json names it)"
     try:
-        return PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
+        with warnings.catch_warnings():  # a module without weights is refused below, in one line
+            warnings.filterwarnings("ignore", message="Found missing adapter keys")
+            adapted = PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
+        # a base with more layers (or more of the adapted modules) than the adapter's: PEFT adds
+        # LoRA modules the file has no weights for, and only warns
+        missing = sorted(get_peft_model_state_dict(adapted).keys() - load_peft_weights(str(adapter)).keys())
     except Exception as exc:  # noqa: BLE001 - peft raises many kinds; all mean "this adapter cannot be used here"
         reason = telling_line(exc)  # torch's first line only says "Error(s) in loading state_dict for X:"
         if "size mismatch" in str(exc) or "shape" in str(exc).lower() or "Missing key" in str(exc):
-            raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter),
-                             "give the base model the adapter was trained on (its ptbr_adapter.json names it)") from exc
+            raise ModelError(f"the adapter does not fit this base model: {reason}", str(adapter), fix) from exc
         raise ModelError(f"the adapter cannot be loaded: {reason}", str(adapter),
                          "check that the adapter directory is complete and uncorrupted (OUTPUT/adapters)") from exc
+    if missing:
+        raise ModelError(f"the adapter does not fit this base model: it holds no weights for {len(missing)} LoRA "
+                         f"tensors this base takes (e.g. {missing[0]}): not the base it was trained on (more layers?)",
+                         str(adapter), fix)
+    return adapted
 
 
 def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_remote_code: bool,

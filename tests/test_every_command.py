@@ -244,6 +244,13 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
              "--download"),
         Case(finetune + [str(tmp_path / "v"), "--base", str(toy.base), "--data", str(toy.data), "--valid",
                          str(tmp_path / "nope.jsonl")], 3, "validation file not found"),
+        Case(finetune + [str(tmp_path / "v2"), "--base", str(toy.base), "--data", str(toy.data), "--valid",
+                         str(tmp_path)], 3, f"validation file is a directory ({tmp_path})"),
+        # the file at fault is named, not the training data
+        Case(finetune + [str(tmp_path / "v3"), "--base", str(toy.base), "--data", str(toy.data / "train.jsonl"),
+                         "--valid", str(files["empty"])], 3, f"empty.jsonl: 1 problem: the file is empty ({files['empty']})"),
+        Case(["export-adapter", str(adapter / "adapter_model.safetensors"), "--to", "mlx", "--output",
+              str(tmp_path / "x-file")], 4, "adapter directory is a file"),
         Case(["validate-data", str(toy.data), "--base", str(toy.base), "--max-seq-len", "-5"], 2, "max-seq-len"),
         Case(["info", "--data", str(toy.data)], 3, "fix: this is fine-tuning data (train.jsonl): `ptbr finetune "
              "--data` and `ptbr validate-data` take it"),

@@ -358,7 +358,7 @@ def data_paths(data: str, valid: str | None) -> tuple[Path, Path | None]:
         train = path / "train.jsonl"
         if not train.is_file():
             raise DataError("no train.jsonl in the data directory", data,
-                            "put train.jsonl (and valid.jsonl) there, or give --data FILE.jsonl")
+                            "put train.jsonl (and valid.jsonl) there, or give a .jsonl file")
         valid_path = Path(valid) if valid else (path / "valid.jsonl" if (path / "valid.jsonl").is_file() else None)
     elif path.is_file():
         train, valid_path = path, Path(valid) if valid else None
@@ -366,7 +366,8 @@ def data_paths(data: str, valid: str | None) -> tuple[Path, Path | None]:
         raise DataError("training data not found", data,
                         "give train.jsonl, or a directory with train.jsonl and valid.jsonl")
     if valid_path is not None and not valid_path.is_file():
-        raise DataError("validation file not found", str(valid_path), "give an existing --valid FILE.jsonl")
+        raise DataError("validation file " + ("is a directory" if valid_path.is_dir() else "not found"),
+                        str(valid_path), "give an existing --valid FILE.jsonl")
     return train, valid_path
 
 

@@ -46,7 +46,8 @@ def adapter_format(directory: str | Path) -> str:
     if (directory / MLX_WEIGHTS).is_file() and (directory / MLX_CONFIG).is_file():
         return "mlx"
     if not directory.is_dir():
-        raise ModelError("adapter directory not found", str(directory), "give OUTPUT/adapters of a fine-tuning run")
+        raise ModelError("adapter directory " + ("is a file" if directory.exists() else "not found"), str(directory),
+                         "give OUTPUT/adapters of a fine-tuning run (the directory)")
     if not (directory / PEFT_CONFIG).is_file():
         raise ModelError(f"no {PEFT_CONFIG} in the adapter directory", str(directory), "give OUTPUT/adapters")
     raise ModelError(f"no adapter weights: neither {PEFT_WEIGHTS} (PEFT) nor {MLX_WEIGHTS} (mlx-lm)",

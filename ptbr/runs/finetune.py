@@ -107,7 +107,7 @@ def load_data(settings: FinetuneConfig, tokenizer,
             log(f"warning: {report.path.name}: {warning}")
     failed = [r for r in reports if not r.ok]
     if failed:
-        raise DataError("; ".join(problems_summary(r) for r in failed), str(settings.data),
+        raise DataError("; ".join(problems_summary(r) for r in failed), ", ".join(str(r.path) for r in failed),
                         fix_of(failed, "fix those lines (`ptbr validate-data FILE.jsonl` lists every problem)"))
     return reports[0], (reports[1] if len(reports) > 1 else None)
 

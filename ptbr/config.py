@@ -298,7 +298,8 @@ class FinetuneConfig(LoopSettings):
         "draw, a bool mask: about 2x less time on CPU), torch (torch.nn.Dropout, as PEFT has it), or auto (packed on "
         "CPU, torch on GPUs).", LORA_DROPOUT_IMPLS)
     target_modules: str | None = setting(
-        None, "Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear projection but lm_head).")
+        None, "Comma-separated module names to adapt, e.g. q_proj,v_proj (a list in a config file; default: every "
+        "linear projection but lm_head).")
     max_seq_len: int = setting(1024, "Longest example in tokens; longer ones are truncated (with a warning) or dropped.")
     drop_long: bool = setting(False, "Drop examples longer than max_seq_len instead of truncating them.")
     group_by_length: bool = setting(False, "Batch examples of similar length together (fewer pad tokens; like "
@@ -369,6 +370,10 @@ def base_type(annotation: Any) -> type:
     return annotation
 
 
+# comma-separated settings that a config file may also give as a list (YAML's [q_proj, v_proj])
+LIST_SETTINGS = ("target_modules",)
+
+
 def _coerce(name: str, value: Any, annotation: Any, problems: list[str]) -> Any:
     if value is None:
         return None
@@ -399,6 +404,8 @@ def _coerce(name: str, value: Any, annotation: Any, problems: list[str]) -> Any:
     elif kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if name in LIST_SETTINGS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return ",".join(value)  # a config file's list, as the flag's comma-separated names
     problems.append(f"{name} must be of type {kind.__name__}, got {value!r}")
     return value
 

@@ -33,6 +33,19 @@ def test_config_file_then_flags_override(tmp_path):
     assert settings.seed == 0  # seed 0 is a seed, not "no seed"
 
 
+def test_a_yaml_list_of_target_modules_is_the_flag_s_comma_separated_names():
+    import yaml
+
+    from ptbr.config import FinetuneConfig
+
+    settings = build_settings(FinetuneConfig, yaml.safe_load("base: b\ndata: d\ntarget_modules: [q_proj, v_proj]\n"))
+    assert settings.target_modules == "q_proj,v_proj"
+    with pytest.raises(ConfigError, match=r"target_modules must be of type str, got \['q_proj', 3\]"):
+        build_settings(FinetuneConfig, {"base": "b", "data": "d", "target_modules": ["q_proj", 3]})
+    with pytest.raises(ConfigError, match=r"precision must be of type str, got \['bf16'\]"):  # a list only where it is one
+        build_settings(PretrainConfig, {"precision": ["bf16"]})
+
+
 def test_json_config_with_unknown_keys_is_one_error(tmp_path):
     config = tmp_path / "run.json"
     config.write_text(json.dumps({"batch_size": 2, "batchsize": 4, "lr": 1e-3}))

@@ -237,6 +237,7 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
     cases += [Case(finetune + [str(tmp_path / f"d-{key}"), "--base", str(toy.base), "--data", str(path)], 3, "")
               for key, path in [*files.items(), ("only_valid", only_valid)]]
     cases += [Case(["validate-data", str(path)], 3, "") for path in [*files.values(), only_valid]]
+    cases += [Case(["validate-data", str(files["schema"]), "--json"], 3, "fix: fix the lines the JSON on stdout lists")]
     cases += [Case(["merge", "--base", str(toy.base), "--adapter", str(path), "--output", str(tmp_path / f"m-{k}")],
                    4, "adapter") for k, path in adapters.items()]
     cases += [

@@ -91,5 +91,6 @@ def main(args) -> int:
     if problems:
         failed = [str(r.path) for r in reports if not r.ok]
         raise DataError(f"{problems} problem{'s' if problems > 1 else ''} found", ", ".join(failed),
-                        fix_of([r for r in reports if not r.ok], "fix the lines listed above"))
+                        fix_of([r for r in reports if not r.ok], "fix the lines " + (
+                            "the JSON on stdout lists" if args.json else "listed above")))
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib.util import find_spec
 
 import pytest
 
@@ -187,7 +188,7 @@ def test_an_adapter_trained_on_a_quantized_base_is_said_to_be_applied_to_the_bas
         in capsys.readouterr().err
 
 
-def test_a_gpt2_style_base_is_fine_tuned_through_its_conv1d_projections(tmp_path):
+def test_a_gpt2_style_base_is_fine_tuned_through_its_conv1d_projections(tmp_path, capsys):
     """GPT-2 (and the PT-BR models fine-tuned from it) make their projections with transformers'
     Conv1D, not nn.Linear: ptbr found nothing to adapt (exit 4). Its c_attn, c_proj and c_fc are
     adapted, the adapter says fan_in_fan_out (the weights are transposed) and reloads in PEFT, and
@@ -228,3 +229,9 @@ def test_a_gpt2_style_base_is_fine_tuned_through_its_conv1d_projections(tmp_path
     with torch.no_grad():
         a, m, p = adapted(input_ids=ids).logits, merged(input_ids=ids).logits, plain(input_ids=ids).logits
     assert torch.allclose(a, m, atol=5e-5) and not torch.allclose(a, p, atol=1e-3)  # merged as adapted; it learned
+    if find_spec("mlx_lm") is not None:  # mlx-lm's GPT-2 reads n_ctx, which this config.json lacks: torch's job
+        assert main(["finetune", "--base", str(base), "--data", str(data), "--output", str(tmp_path / "mlx"),
+                     "--quant", "none", "--max-steps", "1", "--backend", "mlx"]) == 4
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error.startswith("error: mlx-lm cannot build this base (gpt2) from its config.json: ")
+        assert error.endswith("; fix: fine-tune it with --backend torch"), error

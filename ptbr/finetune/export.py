@@ -160,7 +160,8 @@ def peft_to_mlx(directory: Path, base: str | None) -> tuple[dict[str, np.ndarray
         ("fan_in_fan_out", lambda v: not v)) if key in config and not fine(config[key])]
     if unsupported:
         raise ConfigError(f"this PEFT adapter has no mlx-lm equivalent: {', '.join(unsupported)}", str(directory),
-                          "convert plain LoRA adapters (one rank and alpha, no bias, no DoRA, no modules_to_save)")
+                          "use it with --backend torch (PEFT's format); only plain LoRA adapters of linear layers "
+                          "(one rank and alpha, no bias, no DoRA, no modules_to_save) convert to mlx-lm's")
     try:
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
     except (KeyError, TypeError, ValueError) as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ConfigError, ModelError
+from ptbr.files import telling_line
 from ptbr.finetune.base import check_base, load_error, max_positions, read_config
 from ptbr.log import log
 
@@ -186,6 +187,10 @@ def load_base(settings, dtype):
             model, config = load_model(path, model_config=rope_settings(config),
                                        trust_remote_code=settings.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - unknown architecture, missing or mismatched weights
+        if "ModelArgs" in str(exc) or "not supported" in str(exc):  # mlx-lm's reading of config.json, not the files
+            kind = config.get("model_type", "this architecture")
+            raise ModelError(f"mlx-lm cannot build this base ({kind}) from its config.json: {telling_line(exc)}",
+                             settings.base, "fine-tune it with --backend torch") from exc
         raise load_error("base model", settings.base, exc) from exc
     model.set_dtype(dtype)  # floating weights only; the packed 4/8-bit ones stay as they are
     quantization = saved_quantization

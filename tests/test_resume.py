@@ -57,7 +57,7 @@ def test_resume_never_then_auto_never_revives_the_old_run(tmp_path, capsys):
     fresh = tmp_path / "fresh"
     assert train(fresh, "--max-steps", "3", "--save-every", "3") == 0
     assert train(out, "--max-steps", "3", "--save-every", "3", "--resume", "auto") == 0
-    assert "the run already reached --max-steps 3" in capsys.readouterr().err
+    assert "the run already reached its last step, 3" in capsys.readouterr().err
     assert same_weights(out / "final", fresh / "final")  # the new run's weights, not step 12's
     assert "--resume never: starting over" in (out / "train.log").read_text()
 
@@ -219,7 +219,7 @@ def test_max_steps_on_resume_continues_the_same_schedule(tmp_path, capsys):
     assert train(out, "--max-steps", "4", "--save-every", "2") == 0
     capsys.readouterr()
     assert train(out, "--max-steps", "6", "--save-every", "2") == 0
-    assert "--max-steps 6 goes past the 4 steps the schedule was planned for: steps 5-6 train at its final " \
+    assert "training to step 6 goes past the 4 steps the schedule was planned for: steps 5-6 train at its final " \
            "learning rate 3.00e-04" in capsys.readouterr().err
     lrs = [row["lr"] for row in metrics(out)]
     expected = [lr_at(step, 3e-3, 1, 4, 0.1) for step in range(6)]

@@ -350,15 +350,16 @@ def _set_aside_other_checkpoints(run_dir: Path, chosen: Path, step: int) -> None
 def _log_resume(path: Path, state: dict, schedule: Schedule, settings) -> None:
     step = int(state["step"])
     log(f"resuming from {path} (step {step})")
+    # (the last step is --max-steps, or --epochs' count for a fine-tuning run given none: named by number)
     if step == settings.max_steps:
-        log(f"the run already reached --max-steps {settings.max_steps}: writing its results again")
+        log(f"the run already reached its last step, {settings.max_steps}: writing its results again")
     elif settings.max_steps > schedule.horizon:
         floor = schedule.peak_lr * schedule.min_lr_ratio
-        log(f"--max-steps {settings.max_steps} goes past the {schedule.horizon} steps the schedule was planned "
+        log(f"training to step {settings.max_steps} goes past the {schedule.horizon} steps the schedule was planned "
             f"for: steps {max(step, schedule.horizon) + 1}-{settings.max_steps} train at its final learning rate "
             f"{floor:.2e}")
     elif settings.max_steps < schedule.horizon:
-        log(f"--max-steps {settings.max_steps} stops before the end of the schedule (planned for "
+        log(f"stopping at step {settings.max_steps} comes before the end of the schedule (planned for "
             f"{schedule.horizon} steps): the learning rate will not have decayed fully")
 
 

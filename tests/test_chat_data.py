@@ -157,6 +157,13 @@ def test_every_problem_is_reported_with_its_line(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n", encoding="utf-8")
     assert inspect_jsonl(empty).problems == ["the file is empty"]
+    # a JSON array (a .json export): one problem that says so, not "invalid JSON" on every line
+    array = tmp_path / "array.jsonl"
+    array.write_text(json.dumps([good, good], indent=2), encoding="utf-8")
+    assert inspect_jsonl(array).problems == ["the file is one JSON array, not JSON Lines: put each example on a line "
+                                             "of its own (e.g. jq -c '.[]' FILE.json > FILE.jsonl)"]
+    array.write_text('[{"text": "um"},\n{"text": "dois"\n', encoding="utf-8")  # not an array after all: line by line
+    assert [p.split(":")[0] for p in inspect_jsonl(array).problems] == ["line 1", "line 2"]
 
 
 def test_long_examples_are_truncated_or_dropped_with_a_count(tmp_path, tokenizer_default):

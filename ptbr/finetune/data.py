@@ -173,6 +173,13 @@ def _check_messages(messages) -> list[str]:
     return found
 
 
+def _json_array(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), list)
+    except ValueError:  # (UnicodeDecodeError too): left to the line-by-line checks
+        return False
+
+
 def inspect_jsonl(path: str | Path, tokenizer=None, max_seq_len: int | None = None,
                   drop_long: bool = False) -> JsonlReport:
     """Check every line of a JSONL file; with a tokenizer also encode each example and apply the
@@ -186,6 +193,10 @@ def inspect_jsonl(path: str | Path, tokenizer=None, max_seq_len: int | None = No
     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some Windows editors write
     if not raw.strip():
         report.problems.append("the file is empty")
+        return report
+    if raw.lstrip().startswith(b"[") and _json_array(raw):  # a .json export: every line would be "invalid JSON"
+        report.problems.append("the file is one JSON array, not JSON Lines: put each example on a line of its own "
+                               "(e.g. jq -c '.[]' FILE.json > FILE.jsonl)")
         return report
     first_schema_line = None
     for number, line in enumerate(raw.split(b"\n"), 1):

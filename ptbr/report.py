@@ -59,7 +59,7 @@ def write_report(run_dirs: list[str | Path], output: str | Path | None = None) -
         raise ConfigError(f"the same run given twice: {twice}", "ptbr report", "name each run once")
     require_matplotlib()
     folder = Path(output).expanduser() if output is not None else runs[0].run_dir
-    check_report_folder(folder, runs)
+    check_report_folder(folder, runs, given=output is not None)
     with writing("the report", folder):
         folder.mkdir(parents=True, exist_ok=True)
     names = run_names(runs)
@@ -68,31 +68,45 @@ def write_report(run_dirs: list[str | Path], output: str | Path | None = None) -
     return write_text(folder / "report.md", text, "report.md")
 
 
-def check_report_folder(folder: Path, runs: list[Run]) -> None:
+def check_report_folder(folder: Path, runs: list[Run], given: bool = True) -> None:
     """Where report.md and plots/ go: a run's own report goes into its directory; any other folder
-    may be new or hold an earlier report of ptbr's, never a dataset, another run or a user's files
-    that the report would replace (plots/ is replaced whole)."""
+    may be new or hold an earlier report of ptbr's, never a dataset, a model, another run, a folder
+    inside a run (its plots/, checkpoints/, final/: the run's own report would then find a foreign
+    plots/plots/ there), or a user's files that the report would replace (plots/ is replaced whole)."""
     from ptbr.data.prepare import RUN_MARKERS
     from ptbr.data.tokens import dataset_files_in
+    from ptbr.outputs import MODEL_FILES
 
+    fix = "give --output a folder of its own (e.g. reports/NAME), or leave it out for one run's own report"
+    inside = given and next((p for p in folder.resolve().parents if any((p / name).exists() for name in RUN_MARKERS)),
+                            None)  # (a run's own report goes where it is, also a run set aside in previous/)
+    if inside:
+        raise OutputError(f"--output is inside the run directory {inside}: the report would mix with that run's files",
+                          str(folder), fix)
     if not folder.is_dir():
         return  # new (or a file, which writing the report refuses)
-    fix = "give --output a folder of its own (e.g. reports/NAME), or leave it out for one run's own report"
+    where = "--output" if given else "the run directory"
     dataset = dataset_files_in(folder)
     if dataset:
         raise OutputError(f"--output holds a dataset ({dataset[0]})", str(folder), fix)
+    model = [name for name in MODEL_FILES if (folder / name).exists()]
+    if model:
+        raise OutputError(f"--output holds a model ({model[0]})", str(folder), fix)
     own = len(runs) == 1 and folder.resolve() == runs[0].run_dir.resolve()
     if not own and any((folder / name).exists() for name in RUN_MARKERS):
         raise OutputError("--output is another training run's directory: its own report would be replaced",
                           str(folder), fix)
     report = folder / "report.md"
     if report.exists() and not (report.is_file() and _written_by_ptbr(report)):
-        raise OutputError("--output holds a report.md that ptbr did not write: it would be replaced", str(folder), fix)
+        raise OutputError(f"{where} holds a report.md that ptbr did not write: it would be replaced", str(folder),
+                          fix if given else "move that report.md aside, or give --output a folder of its own")
     plots = folder / "plots"
     theirs = sorted(p.name for p in plots.iterdir() if p.name not in {f"{n}.png" for n in PLOTS}) if plots.is_dir() else []
     if theirs or (plots.exists() and not plots.is_dir()):
-        raise OutputError(f"--output's plots{'/' + theirs[0] if theirs else ''} is not one of ptbr's plots: "
-                          "plots/ would be replaced", str(folder), fix)
+        raise OutputError(f"{where}'s plots{'/' + theirs[0] if theirs else ''} is not one of ptbr's plots: "
+                          "plots/ would be replaced", str(folder),
+                          fix if given else f"move {plots / theirs[0] if theirs else plots} aside, or give --output a "
+                          "folder of its own")
 
 
 def _written_by_ptbr(report: Path) -> bool:

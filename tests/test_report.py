@@ -226,6 +226,24 @@ def test_wrong_requests_are_one_line_errors(resumed_run, tmp_path, capsys):
         assert main(["report", str(resumed_run), "--output", str(folder)]) == 6, what
         assert what in capsys.readouterr().err
     assert (notes / "report.md").read_text() == "# My thesis notes\n" and (mine / "plots" / "figure1.png").exists()
+    # inside a run (its plots/ took a report whose plots/plots/ then broke the run's own report for good),
+    # or a model's folder
+    for folder, what in ((other / "plots", f"--output is inside the run directory {other.resolve()}"),
+                         (other / "checkpoints", "--output is inside the run directory"),
+                         (other / "final", "--output is inside the run directory")):
+        capsys.readouterr()
+        assert main(["report", str(resumed_run), "--output", str(folder)]) == 6, what
+        assert what in capsys.readouterr().err
+    model = tmp_path / "a-model"
+    shutil.copytree(other / "final", model)
+    assert main(["report", str(resumed_run), "--output", str(model)]) == 6
+    assert "--output holds a model (model.safetensors)" in capsys.readouterr().err
+    # a run's own report names what is in its way, and a fix that helps
+    (other / "plots" / "plots").mkdir()
+    assert main(["report", str(other)]) == 6
+    assert capsys.readouterr().err.strip().endswith(
+        f"the run directory's plots/plots is not one of ptbr's plots: plots/ would be replaced ({other}); fix: move "
+        f"{other / 'plots' / 'plots'} aside, or give --output a folder of its own")
     starting = tmp_path / "starting"
     starting.mkdir()
     (starting / "train.log").write_text("2026-01-01 00:00:00 backend torch, device cpu\n")

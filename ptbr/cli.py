@@ -239,7 +239,8 @@ def add_kaggle_actions(parser: argparse.ArgumentParser, common: argparse.Argumen
     p = action("output", "download the kernel's outputs: the run directory, preflight report, the log")
     p.add_argument("bundle", metavar="BUNDLE", help="the folder `ptbr kaggle bundle` wrote")
     p.add_argument("--path", required=True, help="folder to download into (a previous download there is replaced)")
-    p.add_argument("--pattern", help="only outputs whose path matches this regular expression, e.g. 'run/final/'")
+    p.add_argument("--pattern", help="only outputs whose path matches this regular expression, e.g. 'run/final/' "
+                   "(and the few small files the summary reads)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -527,6 +527,13 @@ def test_output_downloads_every_file_and_the_log_or_nothing(fake, tiny_bundle, t
     assert {name: path.read_bytes() for name, path in files_of(target).items()} == {
         **outputs, f"{SLUG}.log": b"[ptbr-kernel] environment: ...\n"}
     assert "kernel: environment ok, train ok; exit code 0" in run.stdout and "preflight: 1 pass, 1 warn" in run.stdout
+    # --pattern: what matches, and what the summary reads (it said the finished kernel had not started)
+    picked = tmp_path / "picked"
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(picked), "--pattern", "run/checkpoints/")
+    assert run.returncode == 0, run.stderr
+    assert sorted(files_of(picked)) == sorted([layout.RUN_MARKER, "run/preflight_report.json",
+                                               "run/checkpoints/step_000001/model.safetensors", f"{SLUG}.log"])
+    assert "kernel: environment ok, train ok; exit code 0" in run.stdout
     # again: the previous download is replaced whole; a file Kaggle cannot serve leaves it as it was
     fake.missing_outputs = {"run/train.log"}
     run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))

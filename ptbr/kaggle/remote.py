@@ -283,9 +283,15 @@ def output(path: str, target: str, pattern: str | None = None) -> Path:
     return destination
 
 
+# what summarize() reads, a few kilobytes, fetched whatever --pattern says (without them the
+# summary would call a finished run unfinished)
+SUMMARIZED = (RUN_MARKER, f"{RUN_DIR}/preflight_report.json", f"{RUN_DIR}/training_summary.json")
+
+
 def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> int:
-    """Each file Kaggle lists for the kernel's newest version, checked (an error page is not saved as
-    an output, a name cannot leave `folder`), then its log."""
+    """Each file Kaggle lists for the kernel's newest version (those `pattern` matches, and the
+    SUMMARIZED ones), checked (an error page is not saved as an output, a name cannot leave
+    `folder`), then its log."""
     import requests
     from kaggle.api.kaggle_api_extended import ApiListKernelSessionOutputRequest
 
@@ -301,7 +307,7 @@ def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> 
                             client.kernels.kernels_api_client.list_kernel_session_output, request)
         log_text = log_text if log_text is not None else response.log
         for item in response.files or []:
-            if pattern is not None and not pattern.search(item.file_name):
+            if pattern is not None and not pattern.search(item.file_name) and item.file_name not in SUMMARIZED:
                 continue
             target = (folder / item.file_name).resolve()
             if not target.is_relative_to(folder.resolve()) or target == folder.resolve():

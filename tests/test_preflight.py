@@ -13,7 +13,7 @@ import pytest
 
 from ptbr.config import PRESETS, FinetuneConfig, PretrainConfig, build_settings
 from ptbr.memory import GIB, Architecture, estimate_run
-from ptbr.preflight import GPU, Hardware, recommend
+from ptbr.preflight import GPU, Hardware, recommend, run_preflight
 from ptbr.preflight.checks import FAIL, PASS, WARN, check_kaggle, check_packages
 
 # --------------------------------------------------------------------------------------------
@@ -454,22 +454,29 @@ def test_an_output_that_is_the_data_s_or_the_base_s_directory_fails_as_the_run_w
     data = toy_base.parent / "train.jsonl"
     common = ["preflight", "--mode", "finetune", "--base", str(toy_base), "--data", str(data), "--quant", "none"]
     for flag, folder in (("data", data.parent), ("base", toy_base)):
-        assert main([*common, "--output", str(folder)]) == 10
-        report = json.loads((folder / "preflight_report.json").read_text())
-        (failed,) = [c for c in report["checks"] if c["status"] == FAIL]
+        before = sorted(p.name for p in folder.iterdir())
+        result = run_preflight(build_settings(FinetuneConfig, {"base": str(toy_base), "data": str(data),
+                                                               "quant": "none", "output": str(folder)}))
+        (failed,) = result.failed
         given = data if flag == "data" else toy_base
-        assert failed["name"] == "disk.output" and failed["message"] == (
+        assert failed.name == "disk.output" and failed.message == (
             f"--output is the directory of --{flag} {given}: the run would refuse it")
-        assert failed["fix"] == "give the run a directory of its own with --output (e.g. runs/NAME)"
-        assert not (folder / "recommended_config.json").exists()
-    assert "error: 1 check(s) failed: disk.output" in capsys.readouterr().err
+        assert failed.fix == "give the run a directory of its own with --output (e.g. runs/NAME)"
+        assert main([*common, "--output", str(folder)]) == 10
+        # nothing written there: no report, no recommended config in the data's (or the model's) folder
+        assert sorted(p.name for p in folder.iterdir()) == before
+        printed = capsys.readouterr()
+        assert "report: not written (the --output a run would refuse, see disk.output above)" in printed.out
+        assert "error: 1 check(s) failed: disk.output" in printed.err
     # a folder that holds a model (an earlier run's final/): the run refuses it too
     final = tmp_path / "final"
     final.mkdir()
     (final / "model.safetensors").write_text("x")
     assert main([*common, "--output", str(final)]) == 10
-    (failed,) = [c for c in json.loads((final / "preflight_report.json").read_text())["checks"] if c["status"] == FAIL]
-    assert failed["message"] == "the output directory holds a model (model.safetensors), not a run: the run would refuse it"
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    assert line.split()[1] == "disk.output" and line.endswith(
+        "  the output directory holds a model (model.safetensors), not a run: the run would refuse it")
+    assert [p.name for p in final.iterdir()] == ["model.safetensors"]
 
 
 def test_load_test_loads_the_base_with_its_adapter_and_fails_on_broken_weights(toy_base, tmp_path, capsys):

@@ -61,6 +61,8 @@ def print_result(result, kaggle: bool = False) -> None:
             print(f"  - {reason}")
     if result.report_path:
         print(f"report: {result.report_path}")
+    elif any(c.name == "disk.output" for c in result.failed):
+        print("report: not written (the --output a run would refuse, see disk.output above)")
     if result.config_path:
         command = "train" if result.mode == "pretrain" else "finetune"
         print(f"recommended config: {result.config_path}")

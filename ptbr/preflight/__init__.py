@@ -143,7 +143,8 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
         checks += check_kaggle(hardware, settings.output)
 
     result = PreflightResult(mode, checks, hardware, recommendation, extra=sizes)
-    if write:
+    # nothing goes into an --output the run would refuse (a dataset's, a model's, its data's folder)
+    if write and not any(c.name == "disk.output" for c in result.failed):
         _write(result, settings, given, planned_for="kaggle" if elsewhere else None)
     return result
 

@@ -174,6 +174,10 @@ def test_t4_gets_fp16_and_two_t4s_train_on_both():
     assert any("2 GPUs: --num-processes 2, one data-parallel process on each" in r for r in rec.reasons)
     config = rec.config_file()
     assert config["num_processes"] == "2"  # `ptbr train --config` starts both
+    three = dataclasses.replace(pretrain_request("85m"), num_processes="3")  # more than the GPUs: said so
+    rec = recommend(MACHINES["2xt4"], three, Architecture.from_preset(PRESETS["85m"], VOCAB), processes_given=True)
+    assert rec.settings.num_processes == "2"
+    assert any(r.startswith("--num-processes 3 is more than the 2 GPUs: --num-processes 2, one") for r in rec.reasons)
     # asking for bf16 on a T4 is corrected, with the reason
     asked = dataclasses.replace(pretrain_request("85m"), precision="bf16")
     rec = recommend(MACHINES["t4"], asked, Architecture.from_preset(PRESETS["85m"], VOCAB))
@@ -818,3 +822,5 @@ def test_preflight_for_kaggle_plans_the_two_t4s_and_the_bundle_takes_its_config(
     # what the bundle refuses
     assert main([*request, "--output", str(tmp_path / "p5"), "--backend", "mlx"]) == 2
     assert "--device auto --backend mlx is not on Kaggle" in capsys.readouterr().err
+    assert main([*request, "--output", str(tmp_path / "p6"), "--num-processes", "3"]) == 2  # it became 2, unsaid
+    assert "--num-processes 3 is more than Kaggle's 2 GPUs" in capsys.readouterr().err

@@ -19,7 +19,7 @@ def main(args) -> int:
     args.output = settings.output  # for the crash report
     hardware, kaggle = None, args.plan_for == "kaggle"
     if kaggle:
-        from ptbr.kaggle.bundle import KAGGLE_BACKENDS, KAGGLE_DEVICES
+        from ptbr.kaggle.bundle import KAGGLE_BACKENDS, KAGGLE_DEVICES, KAGGLE_GPUS
         from ptbr.kaggle.layout import KAGGLE_RUN_DEFAULTS
         from ptbr.preflight.hardware import KAGGLE_T4X2
 
@@ -29,6 +29,9 @@ def main(args) -> int:
         if settings.device not in KAGGLE_DEVICES or settings.backend not in KAGGLE_BACKENDS:
             raise ConfigError(f"--device {settings.device} --backend {settings.backend} is not on Kaggle", "--for kaggle",
                               f"use --device {' or '.join(KAGGLE_DEVICES)} and --backend {' or '.join(KAGGLE_BACKENDS)}")
+        if str(settings.num_processes).isdigit() and int(settings.num_processes) > KAGGLE_GPUS:
+            raise ConfigError(f"--num-processes {settings.num_processes} is more than Kaggle's {KAGGLE_GPUS} GPUs",
+                              "--for kaggle", f"give auto (one per GPU), or {KAGGLE_GPUS} or fewer")
         hardware = KAGGLE_T4X2
         # the bundle's defaults where the settings say nothing: a process on each T4, two checkpoints kept
         defaults = {key: value for key, value in KAGGLE_RUN_DEFAULTS.items() if key not in given}

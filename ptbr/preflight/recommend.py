@@ -300,7 +300,9 @@ def plan_processes(hardware: Hardware, target: str, requested: LoopSettings, rea
         asked = max(1, int(requested.num_processes))
         reasons.append(f"--num-processes {asked} as given: {asked} of the {gpus} GPUs ({gpus}: one process on each)")
         return asked
-    reasons.append(f"{gpus} GPUs: --num-processes {gpus}, one data-parallel process on each "
+    more = given and str(requested.num_processes).isdigit() and int(requested.num_processes) > gpus
+    reasons.append((f"--num-processes {requested.num_processes} is more than the {gpus} GPUs: " if more else
+                    f"{gpus} GPUs: ") + f"--num-processes {gpus}, one data-parallel process on each "
                    f"({', '.join(sorted({g.name for g in hardware.gpus}))})")
     return gpus
 

@@ -288,6 +288,13 @@ def test_a_failing_rank_s_exit_code_is_the_run_s(tmp_path):
     assert bad.returncode == 3
     assert bad.stderr.strip().splitlines()[-1].startswith("error: data directory not found")
     assert "Traceback" not in bad.stderr
+    # the --output it made holds no run (its lock, log and the workers' logs were left behind)
+    assert not (tmp_path / "run").exists()
+    mine = tmp_path / "mine"  # one that was there before keeps what it held, the error's log included
+    mine.mkdir()
+    assert ptbr("train", "--output", str(mine), "--num-processes", "2", "--data", str(tmp_path / "nope"),
+                *TINY).returncode == 3
+    assert "error: data directory not found" in (mine / "train.log").read_text()
 
 
 def test_more_processes_than_cores_is_a_warning(tmp_path):

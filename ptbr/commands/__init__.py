@@ -90,8 +90,10 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
 
     from ptbr.backends.torch.distributed import launch, visible_gpus
     from ptbr.log import log
+    from ptbr.runs.common import WORKER_LOGS, remove_a_launch_that_never_started
 
-    logs = Path(settings.output) / "workers"
+    created = not Path(settings.output).exists()
+    logs = Path(settings.output) / WORKER_LOGS
     log(f"starting {processes} data-parallel processes (rank 0 reports here; the others log to {logs})")
     gpus, cores = visible_gpus(), os.cpu_count() or 1
     if gpus and processes > gpus:
@@ -99,7 +101,10 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
     elif not gpus and processes > cores:
         log(f"warning: {processes} processes on {cores} CPU cores: each rank gets a fraction of a core, and the run "
             "is slower than with fewer (on a CPU, data parallelism is for testing a multi-GPU setup)")
-    return launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
+    code = launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
+    if code and created:
+        remove_a_launch_that_never_started(Path(settings.output))
+    return code
 
 
 def check_preset_request(command: str, model_size: str, seq_len: int, **sizes: int) -> None:

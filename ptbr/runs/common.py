@@ -91,6 +91,10 @@ def closing_world(world: World) -> Iterator[World]:
     world.close()
 
 
+# where a data-parallel launch puts the ranks' logs but rank 0's, in the run directory
+WORKER_LOGS = "workers"
+
+
 @contextmanager
 def open_run(settings, world: World | None = None) -> Iterator[Path]:
     """The run directory, created, locked against a second run, and logged to train.log while the
@@ -139,12 +143,19 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
             held["lock"].release()
 
 
-def _remove_if_only_its_log(run_dir: Path) -> None:
+def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -> None:
     try:
-        if {p.name for p in run_dir.iterdir()} <= {"train.log", LOCK_FILE}:
+        if {p.name for p in run_dir.iterdir()} <= {"train.log", LOCK_FILE, *also}:
             shutil.rmtree(run_dir)
     except OSError:
         pass  # left as it is: the error line said what went wrong
+
+
+def remove_a_launch_that_never_started(run_dir: Path) -> None:
+    """After a data-parallel launch that failed, in an --output it created: the directory, where it
+    holds only the log, the lock and the workers' logs (the ranks stopped before the run wrote
+    anything; the failing rank's line was printed), as a run in one process leaves none."""
+    _remove_if_only_its_log(run_dir, also=frozenset({WORKER_LOGS}))
 
 
 @contextmanager

@@ -359,7 +359,7 @@ def _run(argv: list[str] | None) -> int:
 
 
 def _command(args) -> int:
-    debug = args.debug or os.environ.get("PTBR_DEBUG") == "1"
+    debug = args.debug or os.environ.get("PTBR_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
     from ptbr.errors import PtbrError, error_line
     from ptbr.log import setup_console
 

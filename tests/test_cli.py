@@ -84,11 +84,11 @@ def test_debug_is_accepted_before_and_after_every_command(command):
     assert parser.parse_args([command, *required, "--debug"]).debug is True
 
 
-@pytest.mark.parametrize("where", ["before", "after", "environment"])
+@pytest.mark.parametrize("where", ["before", "after", "environment", "environment-true"])
 def test_debug_shows_the_traceback_and_keeps_the_exit_code(tmp_path, capsys, monkeypatch, where):
     args = ["train", "--data", str(tmp_path / "missing"), "--output", str(tmp_path / "out")]
-    if where == "environment":
-        monkeypatch.setenv("PTBR_DEBUG", "1")
+    if where.startswith("environment"):
+        monkeypatch.setenv("PTBR_DEBUG", "1" if where == "environment" else "True")  # (true/yes/on did nothing)
     assert main({"before": ["--debug", *args], "after": [*args, "--debug"]}.get(where, args)) == 3
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "ptbr.errors.DataError" in err

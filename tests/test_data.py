@@ -64,6 +64,13 @@ def test_datasets_and_runs_keep_to_their_own_directories(tmp_path, dataset_dir, 
         f"error: the output directory holds a training run (checkpoints), not a dataset ({run}); fix: give the "
         "dataset a directory of its own with --output (e.g. data/NAME)")
     assert [p.name for p in run.iterdir()] == ["checkpoints"]
+    corpus = sorted(p.name for p in corpus_dir.iterdir())  # the corpus's own folder, as a folder or a file's
+    for given in (corpus_dir, next(corpus_dir.glob("*.txt"))):
+        assert main(["prepare", "--input", str(given), "--output", str(corpus_dir), "--vocab-size", "400"]) == 6
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: the output directory is the folder of --input {given}: the dataset would be written among the "
+            f"corpus files ({corpus_dir}); fix: give the dataset a directory of its own with --output (e.g. data/NAME)")
+    assert sorted(p.name for p in corpus_dir.iterdir()) == corpus
 
 
 def test_reusing_a_tokenizer_gives_the_same_tokens(tmp_path, dataset_dir, corpus_dir):

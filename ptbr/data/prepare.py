@@ -61,6 +61,12 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     if output.exists() and not output.is_dir():
         raise OutputError("the output path is a file, not a directory", str(output),
                           "give the dataset a directory of its own with --output (e.g. data/NAME)")
+    for item in inputs:  # the corpus's own folder: the dataset's files would mix with the text files
+        source = Path(item).expanduser()
+        if source.exists() and (source if source.is_dir() else source.parent).resolve() == output.resolve():
+            raise OutputError(f"the output directory is the folder of --input {item}: the dataset would be written "
+                              "among the corpus files", str(output),
+                              "give the dataset a directory of its own with --output (e.g. data/NAME)")
     created = not output.exists()
     try:
         output.mkdir(parents=True, exist_ok=True)

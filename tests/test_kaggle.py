@@ -362,6 +362,7 @@ def test_push_creates_the_dataset_waits_checks_every_file_then_pushes_the_kernel
     assert run.returncode == 0, run.stderr
     files = len(json.loads((tiny_bundle / "dataset" / layout.BUNDLE_MARKER).read_text())["files"]) + 1
     assert f"all {files} files arrived" in run.stderr and "no previous version yet" in run.stderr
+    assert f"creating it, private ({files} files, " in run.stderr  # the same count (it said one fewer)
     assert fake.private is True and uploaded_marker(fake, KERNEL_ID) == (
         tiny_bundle / "dataset" / layout.BUNDLE_MARKER).read_bytes()
     calls = [call.split("/")[1] for call in fake.calls]

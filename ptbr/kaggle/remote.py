@@ -64,18 +64,19 @@ def push(path: str, kernel_only: bool = False, waiting: Waiting = Waiting()) -> 
 
 def upload_dataset(api, bundle: Bundle) -> None:
     dataset = bundle.dataset_id
-    files = bundle.info["files"]
-    size = sum(f["bytes"] for f in files.values())
+    files = bundle.info["files"]  # (every file but the marker that lists them)
+    count = len(files) + 1
+    size = sum(f["bytes"] for f in files.values()) + (bundle.dataset / BUNDLE_MARKER).stat().st_size
     quiet = not sys.stdout.isatty()  # the client's progress bars, on a terminal only
     # dir_mode "zip": the client skips subfolders otherwise; each (wheels/, data/, base/) goes up as an
     # archive that Kaggle unpacks, and the kernel unpacks one itself if Kaggle has not.
     if call(api, f"ask about the dataset {dataset}", api.dataset_status, dataset, absent_ok=True) is not None:
-        log(f"dataset {dataset}: uploading a new version ({len(files)} files, {size / 1e6:.1f} MB)")
+        log(f"dataset {dataset}: uploading a new version ({count} files, {size / 1e6:.1f} MB)")
         notes = f"ptbr {bundle.info['ptbr_version']} bundle, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
         response = call(api, f"upload a new version of the dataset {dataset}", api.dataset_create_version,
                         str(bundle.dataset), notes, quiet=quiet, dir_mode="zip")
     else:
-        log(f"dataset {dataset}: creating it, private ({len(files)} files, {size / 1e6:.1f} MB)")
+        log(f"dataset {dataset}: creating it, private ({count} files, {size / 1e6:.1f} MB)")
         response = call(api, f"create the dataset {dataset}", api.dataset_create_new, str(bundle.dataset),
                         public=False, quiet=quiet, dir_mode="zip")
     if response is None or (response.status or "").lower() != "ok" or response.error:

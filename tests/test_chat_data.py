@@ -161,7 +161,8 @@ def test_every_problem_is_reported_with_its_line(tmp_path):
     array = tmp_path / "array.jsonl"
     array.write_text(json.dumps([good, good], indent=2), encoding="utf-8")
     assert inspect_jsonl(array).problems == ["the file is one JSON array, not JSON Lines: put each example on a line "
-                                             "of its own (e.g. jq -c '.[]' FILE.json > FILE.jsonl)"]
+                                             f"of its own (e.g. jq -c '.[]' {array} > {tmp_path / 'array.lines.jsonl'}, "
+                                             "then give that file)"]
     array.write_text('[{"text": "um"},\n{"text": "dois"\n', encoding="utf-8")  # not an array after all: line by line
     assert [p.split(":")[0] for p in inspect_jsonl(array).problems] == ["line 1", "line 2"]
 

@@ -33,7 +33,7 @@ def generate(capsys):
     return run
 
 
-def test_a_merged_model_answers_as_its_adapter(toy, trained, tmp_path, generate):
+def test_a_merged_model_answers_as_its_adapter(toy, trained, tmp_path, generate, capsys):
     from ptbr.finetune.adapter import read_adapter_meta
 
     merged = tmp_path / "merged"
@@ -54,6 +54,17 @@ def test_a_merged_model_answers_as_its_adapter(toy, trained, tmp_path, generate)
 
     raw = generate("--model", str(merged), "--raw")
     assert raw.startswith(QUESTION) and raw != QUESTION + via_adapter
+
+    # the adapter merged in, applied again, would count twice; one fine-tuned from the merged model
+    # (its recorded base) is that model's own (staged fine-tuning), and applies
+    ask = ["generate", QUESTION, "--max-new-tokens", "2", "--device", "cpu", "--model", str(merged), "--adapter"]
+    assert main([*ask, adapters]) == 2
+    assert "the model already has an adapter merged in" in capsys.readouterr().err
+    staged = tmp_path / "staged"
+    shutil.copytree(adapters, staged)
+    meta = json.loads((staged / "ptbr_adapter.json").read_text()) | {"base": str(merged)}
+    (staged / "ptbr_adapter.json").write_text(json.dumps(meta))
+    assert main([*ask, str(staged)]) == 0
 
 
 def test_a_model_trained_on_prompt_completion_continues_the_prompt(toy, tmp_path, generate, capsys):

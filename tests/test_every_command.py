@@ -261,8 +261,8 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
              "output"),
         Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(toy.base)], 6, "output"),
         Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output", str(other_model)], 6,
-             "--output holds a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/): the merge "
-             "would replace it"),
+             "--output holds a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/, or a merge by "
+             "an older ptbr, which a new merge does not replace: move it aside): the merge would replace it"),
         Case(["merge", "--base", str(deeper), "--adapter", str(adapter), "--output", str(tmp_path / "m-deeper")], 4,
              "the adapter does not fit this base model: it holds no weights for 14 LoRA tensors this base takes (e.g. "
              f"base_model.model.model.layers.{layers}."),

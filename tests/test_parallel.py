@@ -297,6 +297,34 @@ def test_a_failing_rank_s_exit_code_is_the_run_s(tmp_path):
     assert "error: data directory not found" in (mine / "train.log").read_text()
 
 
+def test_a_failed_launch_removes_only_a_directory_no_run_holds_and_keeps_a_crash_s_logs(tmp_path):
+    """The launcher removes the --output it made after its workers failed at start-up, as one
+    process does; not while another run holds the lock (one started into the same new --output at
+    the same moment, which won it: the directory is that run's), and not after a crash or a killed
+    rank (exit 1), where the workers' logs are what says why."""
+    from ptbr.runs.common import remove_a_launch_that_never_started
+    from ptbr.train.lock import RunLock
+
+    def made() -> Path:
+        run = tmp_path / "run"
+        (run / "workers" / "launch_1" / "attempt_0" / "1").mkdir(parents=True)
+        (run / "train.log").write_text("error: data directory not found\n")
+        return run
+
+    run = made()
+    with RunLock(run):  # another launch's rank 0, loading its model
+        remove_a_launch_that_never_started(run, 6)
+    assert (run / "train.log").is_file()
+    remove_a_launch_that_never_started(run, 1)
+    assert (run / "workers").is_dir()
+    remove_a_launch_that_never_started(run, 3)
+    assert not run.exists()
+    run = made()
+    (run / "run_config.json").write_text("{}")  # the run had started: kept
+    remove_a_launch_that_never_started(run, 130)
+    assert (run / "run_config.json").is_file()
+
+
 def test_more_processes_than_cores_is_a_warning(tmp_path):
     import os
 

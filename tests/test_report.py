@@ -234,6 +234,10 @@ def test_wrong_requests_are_one_line_errors(resumed_run, tmp_path, capsys):
         capsys.readouterr()
         assert main(["report", str(resumed_run), "--output", str(folder)]) == 6, what
         assert what in capsys.readouterr().err
+    project = tmp_path / "project"  # a folder named checkpoints/ above --output is no run
+    (project / "checkpoints").mkdir(parents=True)
+    assert main(["report", str(resumed_run), "--output", str(project / "reports" / "r1")]) == 0
+    assert main(["report", str(other), "--output", str(other)]) == 0  # a run's own directory, named
     model = tmp_path / "a-model"
     shutil.copytree(other / "final", model)
     assert main(["report", str(resumed_run), "--output", str(model)]) == 6

@@ -103,7 +103,7 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
             "is slower than with fewer (on a CPU, data parallelism is for testing a multi-GPU setup)")
     code = launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
     if code and created:
-        remove_a_launch_that_never_started(Path(settings.output))
+        remove_a_launch_that_never_started(Path(settings.output), code)
     return code
 
 

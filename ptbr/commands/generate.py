@@ -13,7 +13,7 @@ from ptbr.commands import quiet_transformers
 from ptbr.config import MAX_SEED
 from ptbr.errors import ConfigError, ModelError, collect
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, read_adapter_meta
-from ptbr.finetune.base import check_base, load_error, max_positions, read_config
+from ptbr.finetune.base import adapter_base, check_base, load_error, max_positions, read_config
 from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
 
@@ -39,7 +39,9 @@ def check_adapter_use(model_dir: str, adapter: str | None) -> None:
         return
     check_adapter(adapter)
     adapter_format(adapter)
-    if (Path(model_dir) / ADAPTER_META).is_file():
+    trained_on = adapter_base(Path(adapter_files(adapter)))
+    on_this_model = trained_on is not None and Path(trained_on).expanduser().resolve() == Path(model_dir).resolve()
+    if (Path(model_dir) / ADAPTER_META).is_file() and not on_this_model:  # (fine-tuned from a merge: its own base)
         raise ConfigError("the model already has an adapter merged in (it holds ptbr_adapter.json): applying "
                           "one again would count it twice", adapter,
                           "give the merged model alone, or the base model with --adapter")
@@ -102,7 +104,7 @@ def new_tokens_that_fit(max_positions: int | None, prompt_tokens: int, max_new_t
         return max_new_tokens
     if prompt_tokens >= max_positions:
         raise ConfigError(f"the prompt has {prompt_tokens:,} tokens; the model takes {max_positions:,} in all "
-                          "(its max_position_embeddings), new ones included", "ptbr generate",
+                          "(its positions, config.json's max_position_embeddings or n_positions), new ones included", "ptbr generate",
                           "give a shorter prompt")
     left = max_positions - prompt_tokens
     log(f"warning: --max-new-tokens {max_new_tokens:,} capped at {left:,}: the prompt's {prompt_tokens:,} tokens "

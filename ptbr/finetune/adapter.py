@@ -56,7 +56,8 @@ def check_merge_output(output: str | Path, base: str, adapter: str | Path) -> Pa
     return check_output(output, "the merge", "the merged model", a_model_file,
                         (("base model", Path(base).expanduser()), ("adapter", Path(adapter))),
                         earlier=lambda folder: (folder / ADAPTER_META).is_file(),
-                        not_earlier="a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/)")
+                        not_earlier="a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/, or a merge by "
+                        "an older ptbr, which a new merge does not replace: move it aside)")
 
 
 def check_export_output(output: str | Path, adapter: str | Path, base: str | None) -> Path:

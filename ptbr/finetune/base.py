@@ -26,7 +26,7 @@ def is_local(base: str) -> bool:
     return Path(base).expanduser().exists()
 
 
-def _adapter_base(adapter: Path) -> str | None:
+def adapter_base(adapter: Path) -> str | None:
     """The base an adapter directory names (ptbr_adapter.json, else PEFT's adapter_config.json)."""
     for name, key in (("ptbr_adapter.json", "base"), ("adapter_config.json", "base_model_name_or_path")):
         try:
@@ -50,7 +50,7 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
         if not (path / "config.json").is_file():
             fix = "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
             if (path / "adapters" / "adapter_config.json").is_file():  # a fine-tuning run without --merge
-                named = _adapter_base(path / "adapters")
+                named = adapter_base(path / "adapters")
                 fix = (f"this is a fine-tuning run's directory: give its base and its adapter (--model "
                        f"{named or 'BASE'} --adapter {path / 'adapters'} for generate; --base and --adapter for "
                        "merge)")
@@ -58,7 +58,7 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
                 if (path / inside / "config.json").is_file():
                     fix = f"this is a run's directory: give its model, {path / inside}"
             if (path / "adapter_config.json").is_file():  # the adapters/ of a fine-tuning run
-                named = _adapter_base(path)
+                named = adapter_base(path)
                 fix = (f"this is a LoRA adapter: give its base model, and the adapter apart (--model "
                        f"{named or 'BASE'} --adapter {base} for generate; --base and --adapter for merge)")
             raise ModelError(f"no config.json in the {what} directory", base, fix)

@@ -195,8 +195,9 @@ def inspect_jsonl(path: str | Path, tokenizer=None, max_seq_len: int | None = No
         report.problems.append("the file is empty")
         return report
     if raw.lstrip().startswith(b"[") and _json_array(raw):  # a .json export: every line would be "invalid JSON"
+        lines = report.path.with_name(f"{report.path.stem}.lines.jsonl")  # (never the file itself: `>` empties it)
         report.problems.append("the file is one JSON array, not JSON Lines: put each example on a line of its own "
-                               "(e.g. jq -c '.[]' FILE.json > FILE.jsonl)")
+                               f"(e.g. jq -c '.[]' {report.path} > {lines}, then give that file)")
         return report
     first_schema_line = None
     for number, line in enumerate(raw.split(b"\n"), 1):

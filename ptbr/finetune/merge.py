@@ -88,8 +88,11 @@ def apply_adapter(model, adapter: Path):
             warnings.filterwarnings("ignore", message="Found missing adapter keys")
             adapted = PeftModel.from_pretrained(model, str(adapter), local_files_only=True)
         # a base with more layers (or more of the adapted modules) than the adapter's: PEFT adds
-        # LoRA modules the file has no weights for, and only warns
-        missing = sorted(get_peft_model_state_dict(adapted).keys() - load_peft_weights(str(adapter)).keys())
+        # LoRA modules the file has no weights for, and only warns. LoRA tensors only: embedding
+        # layers saved or not with the adapter are PEFT's business (and save_embedding_layers="auto"
+        # would look the base up on the Hub)
+        created = get_peft_model_state_dict(adapted, save_embedding_layers=False)
+        missing = sorted({k for k in created if "lora_" in k} - load_peft_weights(str(adapter)).keys())
     except Exception as exc:  # noqa: BLE001 - peft raises many kinds; all mean "this adapter cannot be used here"
         reason = telling_line(exc)  # torch's first line only says "Error(s) in loading state_dict for X:"
         if "size mismatch" in str(exc) or "shape" in str(exc).lower() or "Missing key" in str(exc):

@@ -24,7 +24,16 @@ from pathlib import Path
 
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
-from ptbr.errors import ConfigError, DeviceError, Interrupted, ModelError, OutputError, PtbrError, error_line
+from ptbr.errors import (
+    EXIT_CODES,
+    ConfigError,
+    DeviceError,
+    Interrupted,
+    ModelError,
+    OutputError,
+    PtbrError,
+    error_line,
+)
 from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
 from ptbr.outputs import folder_refusal, input_refusal
 from ptbr.log import attach_run_log, detach, log, to_file_only
@@ -38,7 +47,7 @@ from ptbr.train.checkpoint import (
     read_state,
     why_incomplete,
 )
-from ptbr.train.lock import LOCK_FILE, RunLock
+from ptbr.train.lock import LOCK_FILE, RunLock, held_if_free
 from ptbr.train.loop import LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule
@@ -151,11 +160,17 @@ def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -
         pass  # left as it is: the error line said what went wrong
 
 
-def remove_a_launch_that_never_started(run_dir: Path) -> None:
-    """After a data-parallel launch that failed, in an --output it created: the directory, where it
-    holds only the log, the lock and the workers' logs (the ranks stopped before the run wrote
-    anything; the failing rank's line was printed), as a run in one process leaves none."""
-    _remove_if_only_its_log(run_dir, also=frozenset({WORKER_LOGS}))
+def remove_a_launch_that_never_started(run_dir: Path, code: int) -> None:
+    """After a data-parallel launch that failed with `code`, in an --output it created: the
+    directory, where it holds only the log, the lock and the workers' logs (the ranks stopped before
+    the run wrote anything), as a run in one process leaves none. Kept after a crash or a killed rank
+    (exit 1: the workers' logs are what says why) and while another run holds its lock (one started
+    into the same new --output at the same moment, which won the lock: its directory)."""
+    if code in (1, 0) or code not in EXIT_CODES:
+        return
+    with held_if_free(run_dir) as free:
+        if free:
+            _remove_if_only_its_log(run_dir, also=frozenset({WORKER_LOGS}))
 
 
 @contextmanager

@@ -9,6 +9,8 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ptbr.errors import OutputError
@@ -66,6 +68,26 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextmanager
+def held_if_free(run_dir: Path) -> Iterator[bool]:
+    """True, holding run_dir's lock for the block, where no run holds it now (or there is no lock
+    file); False where one does."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def _read_owner(fd: int) -> dict[str, str]:

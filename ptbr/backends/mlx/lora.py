@@ -5,6 +5,7 @@ quantized in memory with MLX's affine 4- or 8-bit format or already quantized by
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,7 +188,7 @@ def load_base(settings, dtype):
             model, config = load_model(path, model_config=rope_settings(config),
                                        trust_remote_code=settings.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - unknown architecture, missing or mismatched weights
-        if "ModelArgs" in str(exc) or "not supported" in str(exc):  # mlx-lm's reading of config.json, not the files
+        if "ModelArgs" in str(exc) or re.search(r"Model type \S+ not supported", str(exc)):  # mlx-lm's reading of config.json, not the files
             kind = config.get("model_type", "this architecture")
             raise ModelError(f"mlx-lm cannot build this base ({kind}) from its config.json: {telling_line(exc)}",
                              settings.base, "fine-tune it with --backend torch") from exc

@@ -1,5 +1,5 @@
 """What a run's --output may be: a directory of its own, not its inputs' folder, nor one that
-holds a dataset or a model, nor a file. `ptbr train`/`ptbr finetune` refuse the rest (exit 6,
+holds a dataset or a model, nor one inside another run, nor a file. `ptbr train`/`ptbr finetune` refuse the rest (exit 6,
 ptbr/runs/common.py) and `ptbr preflight` fails it (ptbr/preflight/checks.py), in the same words:
 the run's files would mix with the data or the model, and starting over would move files there."""
 
@@ -10,6 +10,8 @@ from pathlib import Path
 from ptbr.data.tokens import dataset_files_in
 
 OWN_OUTPUT_FIX = "give the run a directory of its own with --output (e.g. runs/NAME)"
+# what only a run directory holds at its top (a folder named checkpoints/ is anyone's)
+RUN_FILES = ("run_config.json", "training_summary.json")
 # What makes a directory a model's (weights or an adapter's), never found at the top of a run's
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors",
                "adapters.safetensors")
@@ -29,12 +31,22 @@ def input_refusal(settings) -> tuple[str, str] | None:
     return None
 
 
+def enclosing_run(folder: str | Path) -> Path | None:
+    """The run directory `folder` is inside (its plots/, checkpoints/, final/...), known by the
+    files only a run writes at its top; None where it is in none."""
+    return next((p for p in Path(folder).expanduser().resolve().parents
+                 if any((p / name).is_file() for name in RUN_FILES)), None)
+
+
 def folder_refusal(output: str | Path) -> tuple[str, str] | None:
-    """(why, fix) where `output` cannot hold a run: a file, a dataset's folder, a model's (a run's
-    final/, a base, an adapter); None where it can."""
+    """(why, fix) where `output` cannot hold a run: a file, a folder inside another run, a dataset's
+    folder, a model's (a run's final/, a base, an adapter); None where it can."""
     folder = Path(output)
     if folder.exists() and not folder.is_dir():
         return "the output path is a file, not a directory", "give --output a directory: a new one, or an earlier run's"
+    outer = enclosing_run(folder)
+    if outer is not None:
+        return f"the output directory is inside the run {outer}, among its files", OWN_OUTPUT_FIX
     dataset = dataset_files_in(folder)
     if dataset:
         return (f"the output directory holds a dataset ({dataset[0]}), not a run",

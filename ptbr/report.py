@@ -68,10 +68,6 @@ def write_report(run_dirs: list[str | Path], output: str | Path | None = None) -
     return write_text(folder / "report.md", text, "report.md")
 
 
-# what only a run directory holds at its top
-RUN_FILES = ("run_config.json", "training_summary.json")
-
-
 def check_report_folder(folder: Path, runs: list[Run], given: bool = True) -> None:
     """Where report.md and plots/ go: a run's own report goes into its directory; any other folder
     may be new or hold an earlier report of ptbr's, never a dataset, a model, another run, a folder
@@ -79,14 +75,12 @@ def check_report_folder(folder: Path, runs: list[Run], given: bool = True) -> No
     plots/plots/ there), or a user's files that the report would replace (plots/ is replaced whole)."""
     from ptbr.data.prepare import RUN_MARKERS
     from ptbr.data.tokens import dataset_files_in
-    from ptbr.outputs import MODEL_FILES
+    from ptbr.outputs import MODEL_FILES, enclosing_run
 
     fix = "give --output a folder of its own (e.g. reports/NAME), or leave it out for one run's own report"
     # a run's own directory is where its report goes (also a run set aside in previous/); above it,
     # a run is known by the files only a run writes (a folder named checkpoints/ is anyone's)
-    own_dirs = {run.run_dir.resolve() for run in runs}
-    inside = given and folder.resolve() not in own_dirs and next(
-        (p for p in folder.resolve().parents if any((p / name).is_file() for name in RUN_FILES)), None)
+    inside = given and folder.resolve() not in {run.run_dir.resolve() for run in runs} and enclosing_run(folder)
     if inside:
         raise OutputError(f"--output is inside the run directory {inside}: the report would mix with that run's files",
                           str(folder), fix)

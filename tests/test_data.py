@@ -64,6 +64,12 @@ def test_datasets_and_runs_keep_to_their_own_directories(tmp_path, dataset_dir, 
         f"error: the output directory holds a training run (checkpoints), not a dataset ({run}); fix: give the "
         "dataset a directory of its own with --output (e.g. data/NAME)")
     assert [p.name for p in run.iterdir()] == ["checkpoints"]
+    (run / "run_config.json").write_text("{}")  # a folder inside another run (its checkpoints/, plots/)
+    assert main(["train", "--output", str(run / "checkpoints"), "--model-size", "tiny", "--max-steps", "1"]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: the output directory is inside the run {run.resolve()}, among its files ({run / 'checkpoints'}); "
+        "fix: give the run a directory of its own with --output (e.g. runs/NAME)")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == []
     corpus = sorted(p.name for p in corpus_dir.iterdir())  # the corpus's own folder, as a folder or a file's
     for given in (corpus_dir, next(corpus_dir.glob("*.txt"))):
         assert main(["prepare", "--input", str(given), "--output", str(corpus_dir), "--vocab-size", "400"]) == 6
@@ -327,3 +333,13 @@ def test_info_model_size(capsys):
     assert memory["weights"] == memory["gradients"] == 4 * 392_487_936
     assert memory["optimizer"] == 8 * 392_487_936
     assert memory["total"] > memory["weights"] + memory["gradients"] + memory["optimizer"]
+    # the MLX row is the estimate the run records: under accumulation it holds the summed gradients too
+    from ptbr.config import get_preset
+    from ptbr.memory import Architecture, estimate_mlx_memory
+
+    assert main(["info", "--model-size", "tiny", "--batch-size", "2", "--grad-accum", "2", "--seq-len", "128",
+                 "--json"]) == 0
+    mlx = json.loads(capsys.readouterr().out)["model"]["memory_bytes"]["mlx-bf16"]
+    arch = Architecture.from_preset(get_preset("tiny"), 32000)
+    assert mlx == estimate_mlx_memory(arch, 2, 128, "bf16", grad_accum=2).as_dict()
+    assert mlx["total"] > estimate_mlx_memory(arch, 2, 128, "bf16").total  # (info said this)

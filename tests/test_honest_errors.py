@@ -10,6 +10,8 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
+
 import tests.test_finetune as finetune_tests
 from ptbr.cli import main
 from ptbr.errors import EXIT_CODES, PtbrError
@@ -245,3 +247,27 @@ def test_a_run_that_fails_before_it_starts_leaves_no_directory_it_made(toy, tmp_
     there.mkdir()
     assert main(["train", "--data", str(tmp_path / "nope"), "--output", str(there), "--model-size", "tiny"]) == 3
     assert "error: data directory not found" in (there / "train.log").read_text()
+
+
+def test_a_ctrl_c_between_making_the_directory_and_holding_its_lock_leaves_none(tmp_path, monkeypatch):
+    """A Ctrl-C at the start, after the run made its --output and opened its lock file but before
+    it held the lock, left that directory (with a lock naming a dead PID) for monitor to call a
+    dead run (a run that holds the lock keeps its directory: test_parallel's failed launch)."""
+    import os
+
+    from ptbr.config import PretrainConfig
+    from ptbr.runs.common import open_run
+    from ptbr.train.lock import RunLock
+
+    def interrupted(self):
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(fd, f"pid={os.getpid()}\n".encode())
+        os.close(fd)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunLock, "acquire", interrupted)
+    new = tmp_path / "new"
+    with pytest.raises(KeyboardInterrupt), open_run(PretrainConfig(output=str(new), model_size="tiny")):
+        pass
+    assert not new.exists()
+    monkeypatch.undo()

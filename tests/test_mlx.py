@@ -466,6 +466,13 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     answer = generate("--backend", "mlx", "--model", str(toy.base), "--adapter", adapters)
     assert answer.strip() and "Qual é" not in answer  # the chat template: an answer, not a continuation
     assert generate("--backend", "torch", "--model", str(toy.base), "--adapter", adapters) == answer
+    sampled = []  # --top-k of the vocabulary or more: every token, as on torch (mlx-lm raised, exit 1)
+    for top_k in ("0", "1000000"):
+        capsys.readouterr()
+        assert main(["generate", "--backend", "mlx", "--model", str(toy.base), "Olá", "--temperature", "0.8",
+                     "--top-k", top_k, "--seed", "3", "--max-new-tokens", "6", "--device", "cpu"]) == 0
+        sampled.append(capsys.readouterr().out)
+    assert sampled[0] == sampled[1] and sampled[0].strip()
 
     peft, back = tmp_path / "peft", tmp_path / "back"
     assert main(["export-adapter", adapters, "--to", "peft", "--output", str(peft)]) == 0

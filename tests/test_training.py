@@ -299,7 +299,7 @@ def test_final_loads_in_plain_transformers_and_generates(tmp_path, capsys):
     assert (f"warning: --max-new-tokens 100,000 capped at {512 - prompt}: the prompt's {prompt} tokens and the new "
             "ones must fit the model's 512 positions") in capsys.readouterr().err
     assert main([*generate, "Era uma vez " * 400]) == 2
-    assert "tokens; the model takes 512 in all (its max_position_embeddings)" in capsys.readouterr().err
+    assert "tokens; the model takes 512 in all (its positions, config.json's max_position_embeddings or n_positions)" in capsys.readouterr().err
     assert main([*generate, "caf\udce9"]) == 2
     assert "the prompt is not valid UTF-8 (character 4)" in capsys.readouterr().err
 

@@ -26,7 +26,7 @@ def model_info(model_size: str, vocab_size: int, seq_len: int, batch_size: int, 
                                              chunked_loss=chunked, grad_accum=grad_accum, device=DEVICE).as_dict()
                  for p in PRECISIONS}
     # --backend mlx (Apple Silicon): bf16 on Metal, fp32 master weights
-    estimates["mlx-bf16"] = estimate_mlx_memory(arch, batch_size, seq_len, "bf16",
+    estimates["mlx-bf16"] = estimate_mlx_memory(arch, batch_size, seq_len, "bf16", grad_accum=grad_accum,
                                                 gradient_checkpointing=gradient_checkpointing).as_dict()
     return {
         "model_size": preset.name,

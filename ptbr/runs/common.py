@@ -129,7 +129,7 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
                 log(f"--resume never: starting over; the previous run's files were moved to {moved}")
         return str(run_dir)
 
-    stopped_before_any_work = False
+    stopped_before_any_work = stopped_while_opening = False
     try:
         run_dir = Path(world.decide(open_on_main))
         yield run_dir
@@ -142,6 +142,10 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
         # at the same moment would delete the winner's directory
         stopped_before_any_work = (isinstance(exc, PtbrError | KeyboardInterrupt) and held.get("created", False)
                                    and "lock" in held)
+        # stopped between making the directory and holding its lock (a Ctrl-C at the start): removed
+        # where no run holds the lock now (one that does made it, or took it first)
+        stopped_while_opening = (isinstance(exc, PtbrError | KeyboardInterrupt) and held.get("created", False)
+                                 and "lock" not in held)
         raise
     finally:
         if "log" in held:
@@ -150,6 +154,10 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
             _remove_if_only_its_log(Path(settings.output))  # still holding the lock
         if "lock" in held:
             held["lock"].release()
+        elif stopped_while_opening:
+            with held_if_free(Path(settings.output)) as free:
+                if free:
+                    _remove_if_only_its_log(Path(settings.output))
 
 
 def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -> None:

@@ -43,6 +43,9 @@ def generate(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: in
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(vocab, int) and top_k >= vocab:  # every token: no cut (as torch samples); mlx-lm refuses it
+        top_k = 0
     sampler = make_sampler(temp=temperature, top_k=top_k if temperature > 0 else 0)
     tokens = []
     for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_new_tokens, sampler=sampler):

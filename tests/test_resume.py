@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,8 @@ def test_resume_never_then_auto_never_revives_the_old_run(tmp_path, capsys):
     (["--batch-size", "8"], "effective_batch is 4 in the checkpoint, 8 now"),
     (["--seed", "7"], "seed is 1337 in the checkpoint, 7 now"),
     (["--learning-rate", "0.001"], "learning_rate is 0.003 in the checkpoint, 0.001 now"),
+    pytest.param(["--backend", "mlx"], "backend is 'torch' in the checkpoint, 'mlx' now (--backend torch resumes it)",
+                 marks=pytest.mark.skipif(find_spec("mlx") is None, reason="mlx is not installed")),
 ])
 def test_a_checkpoint_of_another_run_is_refused_before_any_model_is_built(tmp_path, capsys, monkeypatch, change,
                                                                            differs):

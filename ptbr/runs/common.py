@@ -312,8 +312,9 @@ def identity_problems(recorded: dict | None, requested: dict) -> list[str]:
         return [f"it is {kinds.get(recorded.get('mode'), repr(recorded.get('mode')))} checkpoint and this is "
                 f"{kinds.get(requested['mode'], requested['mode'])} run"]
     recorded, requested = OPTIONAL_IDENTITY | recorded, OPTIONAL_IDENTITY | requested
+    hints = IDENTITY_HINTS | {"backend": f" (--backend {recorded.get('backend')} resumes it)"}
     return [f"{key} is {recorded.get(key)!r} in the checkpoint, {requested.get(key)!r} now"
-            + IDENTITY_HINTS.get(key, "") for key in requested
+            + hints.get(key, "") for key in requested
             if key != "mode" and recorded.get(key) != requested.get(key)]
 
 

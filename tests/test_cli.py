@@ -227,6 +227,23 @@ def test_smoke_failures_are_exit_9_and_keep_the_cause(tmp_path, capsys):
     assert "; fix: " in line
 
 
+def test_a_stopped_smoke_does_not_offer_to_resume_from_its_removed_directory(capsys, monkeypatch):
+    """Stopped at its step, smoke's run saved a checkpoint into the temporary directory it then
+    removed, and the line said to run again to resume from it."""
+    import ptbr.commands.smoke
+    from ptbr.errors import Interrupted
+
+    def stopped(output, backend=None):
+        raise Interrupted("stopped by SIGINT at step 1", f"checkpoint {output}/checkpoints/step_000001",
+                          "run the same command again to resume")
+
+    monkeypatch.setattr(ptbr.commands.smoke, "run_smoke", stopped)
+    assert main(["smoke"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: stopped by SIGINT at step 1, and the temporary run directory was removed with its checkpoint "
+        "(ptbr smoke); fix: run `ptbr smoke` again")
+
+
 def test_test_gpu_without_a_gpu_says_so_and_probes_on_cpu():
     import torch
 

@@ -99,7 +99,11 @@ def main(args) -> int:
         else:
             with tempfile.TemporaryDirectory(prefix="ptbr-smoke-") as tmp:
                 log(f"smoke: running in a temporary directory, removed at the end: {tmp}")
-                result = run_smoke(Path(tmp), backend=args.backend)
+                try:
+                    result = run_smoke(Path(tmp), backend=args.backend)
+                except Interrupted as exc:  # its checkpoint goes with the temporary directory: nothing resumes
+                    raise Interrupted(f"{exc.what}, and the temporary run directory was removed with its "
+                                      "checkpoint", "ptbr smoke", "run `ptbr smoke` again") from exc
             kept = "; the temporary run directory was removed (--output DIR keeps a run)"
     except (SmokeFailed, Interrupted):
         raise

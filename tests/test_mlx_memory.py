@@ -1,6 +1,6 @@
 """The MLX memory estimate (ptbr.memory.estimate_mlx_memory) against mx.get_peak_memory() of real
 MLX steps on mlx[cpu], with the code of benchmarks/mlx_memory_accuracy.py (whose full grid is
-within 8%). The tolerance is 10%: unlike the torch model, which counts the tensors autograd saves
+within 9%). The tolerance is 10%: unlike the torch model, which counts the tensors autograd saves
 byte for byte, MLX's peak depends on the order its scheduler evaluates the lazy graph in, and one
 constant of the estimate (a layer's backward working set, MLX_LAYER_WORKING) is measured, not
 derived."""

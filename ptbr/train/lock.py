@@ -79,6 +79,9 @@ def held_if_free(run_dir: Path) -> Iterator[bool]:
     except FileNotFoundError:
         yield True
         return
+    except OSError:  # no such directory (a path under a file), no permission: nothing of ours to touch
+        yield False
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -31,6 +31,11 @@ def input_refusal(settings) -> tuple[str, str] | None:
     return None
 
 
+def model_files_in(folder: str | Path) -> list[str]:
+    """The files that make `folder` a model's (a run's final/, a base, an adapter)."""
+    return [name for name in MODEL_FILES if (Path(folder) / name).exists()]
+
+
 def enclosing_run(folder: str | Path) -> Path | None:
     """The run directory `folder` is inside (its plots/, checkpoints/, final/...), known by the
     files only a run writes at its top; None where it is in none."""
@@ -51,7 +56,7 @@ def folder_refusal(output: str | Path) -> tuple[str, str] | None:
     if dataset:
         return (f"the output directory holds a dataset ({dataset[0]}), not a run",
                 f"{OWN_OUTPUT_FIX}; a dataset is what --data names")
-    model = [name for name in MODEL_FILES if (folder / name).exists()]
+    model = model_files_in(folder)
     if model:
         return (f"the output directory holds a model ({model[0]}), not a run",
                 f"{OWN_OUTPUT_FIX}; a model is what --base or --model names")

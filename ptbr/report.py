@@ -75,7 +75,7 @@ def check_report_folder(folder: Path, runs: list[Run], given: bool = True) -> No
     plots/plots/ there), or a user's files that the report would replace (plots/ is replaced whole)."""
     from ptbr.data.prepare import RUN_MARKERS
     from ptbr.data.tokens import dataset_files_in
-    from ptbr.outputs import MODEL_FILES, enclosing_run
+    from ptbr.outputs import enclosing_run, model_files_in
 
     fix = "give --output a folder of its own (e.g. reports/NAME), or leave it out for one run's own report"
     # a run's own directory is where its report goes (also a run set aside in previous/); above it,
@@ -90,7 +90,7 @@ def check_report_folder(folder: Path, runs: list[Run], given: bool = True) -> No
     dataset = dataset_files_in(folder)
     if dataset:
         raise OutputError(f"--output holds a dataset ({dataset[0]})", str(folder), fix)
-    model = [name for name in MODEL_FILES if (folder / name).exists()]
+    model = model_files_in(folder)
     if model:
         raise OutputError(f"--output holds a model ({model[0]})", str(folder), fix)
     own = len(runs) == 1 and folder.resolve() == runs[0].run_dir.resolve()

@@ -24,7 +24,7 @@ def save_adapter(backend, adapted, tokenizer, directory: Path, meta: dict) -> No
     def fill(tmp: Path) -> None:
         backend.write_adapter(adapted, tmp)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
+        write_adapter_meta(tmp, meta)
 
     write_directory(directory, fill, "the adapter")
 
@@ -103,6 +103,11 @@ def check_output(output: str | Path, writing: str, thing: str, replaceable, prot
             raise OutputError(f"--output holds {not_earlier}: {writing} would replace it", str(output),
                               f"give a new directory for {thing}")
     return path
+
+
+def write_adapter_meta(directory: Path, meta: dict) -> None:
+    """ptbr_adapter.json into a directory being written (an adapter's, a merge's, an export's)."""
+    (directory / ADAPTER_META).write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
 
 
 def read_adapter_meta(directory: str | Path) -> dict:

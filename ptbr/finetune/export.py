@@ -27,7 +27,12 @@ import numpy as np
 
 from ptbr.errors import ConfigError, ModelError, PtbrError
 from ptbr.files import write_directory
-from ptbr.finetune.adapter import ADAPTER_META, check_export_output, read_adapter_meta
+from ptbr.finetune.adapter import (
+    ADAPTER_META,
+    check_export_output,
+    read_adapter_meta,
+    write_adapter_meta,
+)
 
 FORMATS = ("peft", "mlx")
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -260,7 +265,7 @@ def export_adapter(adapter: str | Path, to: str, output: str | Path, base: str |
     def fill(tmp: Path) -> None:
         found["source"] = convert_into(adapter, to, tmp, base)
         meta = read_adapter_meta(tmp) | {"exported_from": str(adapter.resolve())}  # what an export may replace
-        (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        write_adapter_meta(tmp, meta)
 
     write_directory(output, fill, "the converted adapter")
     return output, found["source"]

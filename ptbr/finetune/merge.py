@@ -11,7 +11,6 @@ GPU busy with training is not needed: a 7B model in bf16 takes about 15 GB of RA
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from importlib.util import find_spec
 from pathlib import Path
@@ -19,7 +18,12 @@ from pathlib import Path
 from ptbr.backends.torch.lora import refuse_prequantized
 from ptbr.errors import ConfigError, ModelError
 from ptbr.files import telling_line, write_directory
-from ptbr.finetune.adapter import ADAPTER_META, check_adapter, check_merge_output, read_adapter_meta
+from ptbr.finetune.adapter import (
+    check_adapter,
+    check_merge_output,
+    read_adapter_meta,
+    write_adapter_meta,
+)
 from ptbr.finetune.base import check_base, load_error, local_path
 from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
@@ -60,7 +64,7 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
     def fill(tmp: Path) -> None:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        write_adapter_meta(tmp, meta)
 
     write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base}: full model ({merged.dtype}) in {output}")
@@ -125,7 +129,7 @@ def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_re
         with ExitStack() as stack:
             merged["dtype"] = merge_into(base, Path(adapter_as(adapter, "mlx", stack)), tmp, dtype, download)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        write_adapter_meta(tmp, meta)
 
     write_directory(output, fill, "the merged model")
     log(f"merged {adapter} into {base} with MLX: full model ({merged['dtype']}) in {output}")

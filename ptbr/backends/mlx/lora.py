@@ -188,7 +188,8 @@ def load_base(settings, dtype):
             model, config = load_model(path, model_config=rope_settings(config),
                                        trust_remote_code=settings.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - unknown architecture, missing or mismatched weights
-        if "ModelArgs" in str(exc) or re.search(r"Model type \S+ not supported", str(exc)):  # mlx-lm's reading of config.json, not the files
+        # mlx-lm's reading of config.json (an architecture it lacks, or reads other keys of), not the files
+        if "ModelArgs" in str(exc) or re.search(r"Model type \S+ not supported", str(exc)):
             kind = config.get("model_type", "this architecture")
             raise ModelError(f"mlx-lm cannot build this base ({kind}) from its config.json: {telling_line(exc)}",
                              settings.base, "fine-tune it with --backend torch") from exc

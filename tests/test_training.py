@@ -349,6 +349,22 @@ def test_bad_token_in_training_data_names_file_and_offset(tmp_path, dataset_dir,
     assert err.startswith("error: train.bin holds token id 401 >= vocab size 400 at token offset 0:")
 
 
+
+def test_bad_validation_data_leaves_no_run_directory_behind(tmp_path, dataset_dir, capsys):
+    """val.bin's windows are checked after run_config.json is written: the directory the refused
+    run made held that file besides its log, read as a run that had started, and stayed."""
+    data = np.fromfile(dataset_dir / "val.bin", dtype="<u2")
+    data[5] = 401
+    data.tofile(dataset_dir / "val.bin")
+    args = ["train", "--data", str(dataset_dir), "--model-size", "tiny", "--seq-len", "16", "--max-steps", "1",
+            "--device", "cpu"]
+    assert main([*args, "--output", str(tmp_path / "run")]) == 3
+    assert "token id 401 >= vocab size 400" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "kept").mkdir()  # a directory the user made: theirs, with what the run wrote in it
+    assert main([*args, "--output", str(tmp_path / "kept")]) == 3
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".ptbr.lock", "run_config.json", "train.log"]
+
 def test_a_run_closes_its_processes_world_when_it_ends_well_or_is_stopped(tmp_path, monkeypatch):
     """The process group of a data-parallel run is destroyed at its end (else gloo's threads run on
     while the process exits), and after a stop by a signal (every rank stops at the same step

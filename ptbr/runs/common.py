@@ -136,8 +136,9 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
     except BaseException as exc:
         if "log" in held and not isinstance(exc, SystemExit):
             to_file_only(held["log"], error_line(exc, "crash_report.txt in this directory"))
-        # a user's error (bad data, a checkpoint refused) or a stop before the run wrote anything: the
-        # directory this run made holds only its log and lock, and would read as a run that started.
+        # a user's error (bad data, a checkpoint refused) or a stop before the run trained: the
+        # directory this run made holds only its log, lock and run_config.json (bad validation data
+        # is found after it is written), and would read as a run that started.
         # Only a run that held the lock removes it: a run that lost the lock to another one started
         # at the same moment would delete the winner's directory
         stopped_before_any_work = (isinstance(exc, PtbrError | KeyboardInterrupt) and held.get("created", False)
@@ -151,13 +152,16 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
         if "log" in held:
             detach(held["log"])
         if stopped_before_any_work:
-            _remove_if_only_its_log(Path(settings.output))  # still holding the lock
+            _remove_if_only_its_log(Path(settings.output), also=_BEFORE_TRAINING)  # still holding the lock
         if "lock" in held:
             held["lock"].release()
         elif stopped_while_opening:
             with held_if_free(Path(settings.output)) as free:
                 if free:
                     _remove_if_only_its_log(Path(settings.output))
+
+
+_BEFORE_TRAINING = frozenset({"run_config.json"})  # what a run writes before its first step
 
 
 def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -> None:
@@ -170,15 +174,15 @@ def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -
 
 def remove_a_launch_that_never_started(run_dir: Path, code: int) -> None:
     """After a data-parallel launch that failed with `code`, in an --output it created: the
-    directory, where it holds only the log, the lock and the workers' logs (the ranks stopped before
-    the run wrote anything), as a run in one process leaves none. Kept after a crash or a killed rank
+    directory, where it holds only the log, the lock, run_config.json and the workers' logs (the
+    ranks stopped before the run trained), as a run in one process leaves none. Kept after a crash or a killed rank
     (exit 1: the workers' logs are what says why) and while another run holds its lock (one started
     into the same new --output at the same moment, which won the lock: its directory)."""
     if code in (1, 0) or code not in EXIT_CODES:
         return
     with held_if_free(run_dir) as free:
         if free:
-            _remove_if_only_its_log(run_dir, also=frozenset({WORKER_LOGS}))
+            _remove_if_only_its_log(run_dir, also=_BEFORE_TRAINING | {WORKER_LOGS})
 
 
 @contextmanager

@@ -350,17 +350,21 @@ def test_bad_token_in_training_data_names_file_and_offset(tmp_path, dataset_dir,
 
 
 
-def test_bad_validation_data_leaves_no_run_directory_behind(tmp_path, dataset_dir, capsys):
-    """val.bin's windows are checked after run_config.json is written: the directory the refused
-    run made held that file besides its log, read as a run that had started, and stayed."""
-    data = np.fromfile(dataset_dir / "val.bin", dtype="<u2")
-    data[5] = 401
-    data.tofile(dataset_dir / "val.bin")
+@pytest.mark.parametrize("part", ["val", "train"])
+def test_bad_data_found_before_the_first_step_leaves_no_run_directory_behind(tmp_path, dataset_dir, capsys, part):
+    """val.bin's windows are checked after run_config.json is written, the first batch of train.bin
+    (a dataset with meta.json) after the metrics files are made: the directory the refused run made
+    held those besides its log, read as a run that had started, and stayed."""
+    data = np.fromfile(dataset_dir / f"{part}.bin", dtype="<u2")
+    data[::7] = 401  # wherever a window lands
+    data.tofile(dataset_dir / f"{part}.bin")
     args = ["train", "--data", str(dataset_dir), "--model-size", "tiny", "--seq-len", "16", "--max-steps", "1",
             "--device", "cpu"]
     assert main([*args, "--output", str(tmp_path / "run")]) == 3
-    assert "token id 401 >= vocab size 400" in capsys.readouterr().err
+    assert f"token id 401 >= vocab size 400 ({dataset_dir / part}.bin at token offset" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+    if part == "train":
+        return
     (tmp_path / "kept").mkdir()  # a directory the user made: theirs, with what the run wrote in it
     assert main([*args, "--output", str(tmp_path / "kept")]) == 3
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".ptbr.lock", "run_config.json", "train.log"]

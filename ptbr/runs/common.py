@@ -161,12 +161,15 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
                     _remove_if_only_its_log(Path(settings.output))
 
 
-_BEFORE_TRAINING = frozenset({"run_config.json"})  # what a run writes before its first step
+# what a run writes before its first step: its settings, and its metrics files without a row
+_BEFORE_TRAINING = frozenset({"run_config.json", "metrics.jsonl", "metrics.csv"})
 
 
 def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -> None:
     try:
-        if {p.name for p in run_dir.iterdir()} <= {"train.log", LOCK_FILE, *also}:
+        names = {p.name for p in run_dir.iterdir()}
+        logged_a_step = "metrics.jsonl" in names and (run_dir / "metrics.jsonl").stat().st_size > 0
+        if names <= {"train.log", LOCK_FILE, *also} and not logged_a_step:
             shutil.rmtree(run_dir)
     except OSError:
         pass  # left as it is: the error line said what went wrong

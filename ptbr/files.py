@@ -25,6 +25,8 @@ from ptbr.errors import OutputError
 
 # Prefixes of what a write in progress puts beside its target; a crash can leave them behind.
 LEFTOVER_PREFIXES = (".tmp-", ".old-")
+# what ptbr's writes name their temporary files and folders: PREFIX + what is written + "-" + PID
+_LEFTOVER = re.compile(r"\.(tmp|old)-.+-[0-9]+")
 
 OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # How libraries that hide the errno report the same thing: safetensors (Rust) keeps the OS text,
@@ -204,13 +206,18 @@ def append_lines(path: Path, lines: list[str], what: str) -> None:
 
 
 def remove_leftovers(folder: Path) -> None:
-    """Delete what writes cut short by a crash left in `folder` (call it holding the run lock)."""
-    for prefix in LEFTOVER_PREFIXES:
-        for leftover in folder.glob(f"{prefix}*"):
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
+    """Delete what writes cut short by a crash left in `folder` (call it holding its lock): only
+    ptbr's own, `.tmp-NAME-PID` and `.old-NAME-PID`; a user's `.tmp-notes.txt` or `.old-photos/`
+    in the same folder stays."""
+    if not folder.is_dir():
+        return
+    for leftover in folder.iterdir():
+        if not _LEFTOVER.fullmatch(leftover.name):
+            continue
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def first_line(exc: BaseException) -> str:

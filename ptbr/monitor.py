@@ -22,8 +22,8 @@ import psutil
 
 from ptbr.errors import ConfigError
 from ptbr.files import LEFTOVER_PREFIXES
+from ptbr.lock import LOCK_FILE
 from ptbr.train.checkpoint import checkpoints_dir, complete_checkpoints, read_state
-from ptbr.train.lock import LOCK_FILE
 from ptbr.train.loop import MAX_BAD_STEPS_IN_A_ROW
 from ptbr.train.metrics import read_metrics
 from ptbr.train.progress import format_eta

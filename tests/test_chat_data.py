@@ -290,6 +290,10 @@ def test_validate_data_cli(tmp_path, capsys):
     train, valid = str(data / "train.jsonl"), str(data / "valid.jsonl")
     assert main(["validate-data", train, valid]) == 0
     assert "note: these files hold different formats (messages, prompt_completion)" in capsys.readouterr().out
+    assert main(["validate-data", train, valid, "--json"]) == 0  # the note on stderr, the JSON alone on stdout
+    out, err = capsys.readouterr()
+    assert [r["format"] for r in json.loads(out)] == ["messages", "prompt_completion"]
+    assert err.startswith("note: these files hold different formats (messages, prompt_completion)")
     assert main(["validate-data", train, "--valid", valid]) == 3
     assert "it holds 'prompt_completion' examples but the training file holds 'messages'" in capsys.readouterr().out
     assert main(["validate-data", train, train, "--valid", valid]) == 2
@@ -306,3 +310,75 @@ def test_a_grouped_run_and_an_ungrouped_one_do_not_resume_each_other():
     assert identity_problems(plain, plain) == [] and identity_problems(grouped, grouped) == []
     assert identity_problems(plain, grouped) == ["group_by_length is False in the checkpoint, True now"]
     assert identity_problems(grouped, plain) == ["group_by_length is True in the checkpoint, False now"]
+
+
+def test_a_special_tokens_text_inside_an_example_is_said_with_its_lines(tmp_path, tokenizer_default):
+    """Written inside an example, a special token's text is encoded as the token itself (as
+    Hugging Face's tokenizers, TRL and mlx-lm do: pre-formatted text keeps working), so an HTML
+    `</s>` under Mistral's tokenizer ends the sequence mid-answer: a warning names the tokens and
+    the lines, in every format."""
+    eos = tokenizer_default.eos_token
+    rows = [{"text": f"Antes {eos} depois"}, {"text": "limpo"}, {"text": "fim <|im_end|> e " + eos}]
+    report = inspect_jsonl(write_jsonl(tmp_path / "t.jsonl", rows), tokenizer_default)
+    assert report.warnings == [
+        f"2 of 3 examples hold the text of the tokenizer's special tokens ('{eos}', '<|im_end|>'; lines 1, 3): each "
+        "is encoded as that token itself, as Hugging Face's tokenizers do (an HTML </s> ends the sequence there); "
+        "remove them where they are text, keep them where the examples were formatted with them on purpose"]
+    first = report.examples[0].ids.tolist()
+    assert first.count(tokenizer_default.eos_token_id) == 2  # its own, mid-text, and the one that ends it
+    chat = [{"messages": [{"role": "user", "content": "Oi"}, {"role": "assistant", "content": f"Olá {eos}"}]},
+            {"prompt": "P", "completion": "C"}]
+    assert "lines 1):" in inspect_jsonl(write_jsonl(tmp_path / "c.jsonl", chat[:1]), tokenizer_default).warnings[0]
+    clean = inspect_jsonl(write_jsonl(tmp_path / "p.jsonl", chat[1:] * 2), tokenizer_default)
+    assert clean.warnings == [] and len(clean.examples) == 2
+    assert "lines 1):" in inspect_jsonl(write_jsonl(tmp_path / "q.jsonl", [{"prompt": eos, "completion": "C"}]),
+                                        tokenizer_default).warnings[0]
+
+
+def test_a_tokenizer_that_adds_an_eos_puts_none_between_prompt_and_completion(tmp_path, tokenizer):
+    """A tokenizer with add_eos_token (a Llama/Mistral option) ends every text it encodes with EOS:
+    the prompt's went between the prompt and its completion in every training example."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    adds = copy.deepcopy(tokenizer)
+    eos = adds.eos_token
+    adds._tokenizer.post_processor = TemplateProcessing(single=f"$A {eos}", special_tokens=[(eos, adds.eos_token_id)])
+    assert adds("Qual?")["input_ids"][-1] == adds.eos_token_id  # what it does to any text
+    report = inspect_jsonl(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Qual?", "completion": " Sim."}]), adds)
+    plain = inspect_jsonl(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "Qual?", "completion": " Sim."}]), tokenizer)
+    assert report.examples[0].ids.tolist() == plain.examples[0].ids.tolist()
+    assert report.examples[0].ids.tolist().count(adds.eos_token_id) == 1  # the completion's, at the end
+    assert encode_prompt(adds, "Qual?", "prompt_completion") == encode_prompt(tokenizer, "Qual?", "prompt_completion")
+    ended = inspect_jsonl(write_jsonl(tmp_path / "e.jsonl", [{"prompt": f"Qual? {eos}", "completion": " Sim."}]),
+                          adds)  # one the user wrote stays (and is warned of)
+    assert ended.examples[0].ids.tolist().count(adds.eos_token_id) == 2
+
+
+def test_a_validation_file_that_is_the_training_file_is_a_warning_everywhere(tmp_path, tokenizer_default):
+    """`ptbr finetune` warned of it; validate-data and preflight (one verdict, inspect_pair) did not."""
+    from ptbr.finetune.data import inspect_pair
+
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [{"prompt": "Qual?", "completion": " Sim."}] * 2)
+    train, valid = inspect_pair(path, tmp_path / "." / "train.jsonl", tokenizer_default)
+    assert train.warnings == [] and valid.warnings == [
+        "it is the training file: the validation loss will measure memorisation, and the best adapter is the one "
+        "that fits the training data best"]
+    other = tmp_path / "valid.jsonl"
+    write_jsonl(other, [{"prompt": "Qual?", "completion": " Sim."}])
+    assert inspect_pair(path, other, tokenizer_default)[1].warnings == []
+
+
+def test_lines_the_chat_template_rejects_are_not_counted_valid(tmp_path, tokenizer):
+    """A template that rejects every conversation: validate-data said '2 valid examples, 0 usable
+    (longest 0 tokens)'."""
+    import copy
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = "{{ raise_exception('no system role') if messages[0]['role'] == 'system' else '' }}x"
+    report = inspect_jsonl(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 2
+                                       + [{"messages": CONVERSATION[1:3]}]), strict)
+    assert (report.rejected, len(report.examples)) == (2, 1)
+    assert [p.split(":")[0] for p in report.problems] == ["line 1", "line 2"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -79,11 +80,85 @@ def test_datasets_and_runs_keep_to_their_own_directories(tmp_path, dataset_dir, 
     assert sorted(p.name for p in corpus_dir.iterdir()) == corpus
 
 
-def test_reusing_a_tokenizer_gives_the_same_tokens(tmp_path, dataset_dir, corpus_dir):
+def test_prepare_never_replaces_a_models_or_a_tokenizers_files(tmp_path, corpus_dir, capsys):
+    """prepare replaces tokenizer.json in its --output: into a model's folder (a base, a run's final/,
+    an adapter) or one inside a run it silently swapped the tokenizer a model was trained with, and
+    `ptbr generate` printed nonsense with exit 0."""
+    fix = "fix: give the dataset a directory of its own with --output (e.g. data/NAME)"
+    base, adapter, tokenizer, run = (tmp_path / name for name in ("base", "adapter", "tok", "run"))
+    for folder, files in ((base, ("config.json", "tokenizer.json")), (adapter, ("adapter_config.json",)),
+                          (tokenizer, ("tokenizer.json",)), (run / "final", ("config.json", "tokenizer.json"))):
+        folder.mkdir(parents=True)
+        for name in files:
+            (folder / name).write_text("{}")
+    (run / "run_config.json").write_text("{}")
+    (run / "plots").mkdir()
+    expected = {
+        base: "the output directory holds a model (config.json), not a dataset: its tokenizer.json would be replaced",
+        adapter: "the output directory holds a model (adapter_config.json), not a dataset: its tokenizer.json would "
+                 "be replaced",
+        tokenizer: "the output directory holds a tokenizer.json of its own, not a dataset's: it would be replaced",
+        run / "final": f"the output directory is inside the training run {run.resolve()}, among its files",
+        run / "plots": f"the output directory is inside the training run {run.resolve()}, among its files",
+        run / "plots" / "new": f"the output directory is inside the training run {run.resolve()}, among its files",
+    }
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for output, why in expected.items():
+        assert main(["prepare", "--input", str(corpus_dir), "--output", str(output), "--vocab-size", "400"]) == 6
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"error: {why} ({output}); {fix}"), line
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert not (run / "plots" / "new").exists() and not list(run.rglob(".ptbr.lock"))
+
+
+def test_prepare_keeps_a_users_dot_files_and_leaves_no_lock(tmp_path, corpus_dir):
+    """Only ptbr's own leftovers (.tmp-NAME-PID, .old-NAME-PID) are removed from an --output that
+    already exists: a user's .tmp-notes.txt and .old-photos/ went with them."""
+    out = tmp_path / "mine"
+    (out / ".old-photos").mkdir(parents=True)
+    (out / ".old-photos" / "a.jpg").write_text("p")
+    (out / ".tmp-notes.txt").write_text("precious")
+    (out / ".tmp-prepare-999999").mkdir()  # a prepare cut short
+    (out / ".old-meta.json-12").write_text("{}")
+    prepare([str(corpus_dir)], out, vocab_size=400, val_fraction=0.1, show_progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [".old-photos", ".tmp-notes.txt", "meta.json", "tokenizer.json",
+                                                      "train.bin", "val.bin"]
+    assert (out / ".tmp-notes.txt").read_text() == "precious"
+
+
+def test_a_second_prepare_into_the_same_output_at_once_is_refused(tmp_path, corpus_dir, dataset_dir, capsys):
+    """Two at once: the second deleted the first one's staging folder (exit 1 with a crash report
+    inside the dataset), and two swaps could have mixed their files."""
+    from ptbr.lock import RunLock
+
+    with RunLock(dataset_dir):  # a prepare, or a run, at work in it
+        before = {p.name: p.read_bytes() for p in dataset_dir.iterdir()}
+        assert main(["prepare", "--input", str(corpus_dir), "--output", str(dataset_dir), "--vocab-size", "400"]) == 6
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+            f"error: another ptbr run (PID {os.getpid()} on ")
+        assert {p.name: p.read_bytes() for p in dataset_dir.iterdir()} == before
+
+
+def test_a_refused_first_prepare_leaves_none_of_the_folders_it_made(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    assert main(["prepare", "--input", str(bad), "--output", str(tmp_path / "nest" / "a" / "b"),
+                 "--vocab-size", "300"]) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+    (tmp_path / "kept").mkdir()  # the user's: stays, empty
+    assert main(["prepare", "--input", str(bad), "--output", str(tmp_path / "kept" / "a"), "--vocab-size", "300"]) == 3
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+def test_reusing_a_tokenizer_gives_the_same_tokens(tmp_path, dataset_dir, corpus_dir, capsys):
     again = tmp_path / "again"
     prepare([str(corpus_dir)], again, val_fraction=0.1, tokenizer_path=str(dataset_dir / "tokenizer.json"),
             show_progress=False)
     assert (again / "train.bin").read_bytes() == (dataset_dir / "train.bin").read_bytes()
+    assert "--vocab-size" not in capsys.readouterr().err
+    prepare([str(corpus_dir)], again, vocab_size=50, val_fraction=0.1,  # below any trainable size: unused here
+            tokenizer_path=str(dataset_dir / "tokenizer.json"), show_progress=False)
+    assert ("warning: --vocab-size 50 is not used with --tokenizer: the dataset has that tokenizer's vocabulary"
+            in capsys.readouterr().err)
 
 
 def test_token_dtype_switches_to_uint32_past_65535():
@@ -343,3 +418,49 @@ def test_info_model_size(capsys):
     arch = Architecture.from_preset(get_preset("tiny"), 32000)
     assert mlx == estimate_mlx_memory(arch, 2, 128, "bf16", grad_accum=2).as_dict()
     assert mlx["total"] > estimate_mlx_memory(arch, 2, 128, "bf16").total  # (info said this)
+
+
+def test_a_corpus_of_one_document_is_told_why_it_has_no_validation(tmp_path, capsys):
+    """The first document always trains and the second goes to val.bin: only a corpus of one
+    document gets none, and raising --val-fraction (what the warning said) cannot help it."""
+    one = tmp_path / "one.txt"
+    one.write_text("Um só documento, sem linhas em branco.\nOutra linha do mesmo.\n")
+    meta = prepare([str(one)], tmp_path / "out", vocab_size=300, val_fraction=0.5, show_progress=False)
+    assert (meta["train_documents"], meta["val_tokens"]) == (1, 0) and not (tmp_path / "out" / "val.bin").exists()
+    assert ("warning: the corpus is one document, and the first one always trains: no val.bin written, training will "
+            "not evaluate (separate its documents with blank lines, or add text)") in capsys.readouterr().err
+    two = tmp_path / "two.txt"
+    two.write_text("Primeiro documento.\n\nSegundo documento.\n")
+    meta = prepare([str(two)], tmp_path / "out2", vocab_size=300, val_fraction=0.001, show_progress=False)
+    assert (meta["train_documents"], meta["val_documents"]) == (1, 1)
+    assert "one document" not in capsys.readouterr().err
+
+
+def test_tokenizer_training_is_stopped_at_once_by_ctrl_c():
+    """tokenizers computes its merges in Rust, which does not return to Python until done: a Ctrl-C
+    during that phase waited for the whole training (13-16 s on a 42 MB corpus, minutes on more).
+    The training runs in a thread of its own, and the main thread's wait is what the signal ends."""
+    import _thread
+    import threading
+    import time
+
+    from ptbr.data.tokenizer import _interruptible
+
+    seen, release = {}, threading.Event()
+
+    def work():  # stands for Rust's merge loop: blind to signals, in a thread that is not the main one
+        seen["main"] = threading.current_thread() is threading.main_thread()
+        release.wait(30)
+
+    threading.Timer(0.3, _thread.interrupt_main).start()  # a SIGINT, as Ctrl-C delivers it
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _interruptible(work)
+    assert time.monotonic() - started < 5 and seen == {"main": False}
+    release.set()
+
+    def fails():
+        raise DataError("bad text", "corpus.txt", "fix it")
+
+    with pytest.raises(DataError, match="bad text"):  # an error of the training (a bad file) is the caller's
+        _interruptible(fails)

@@ -109,9 +109,9 @@ def test_help_lists_the_same_exit_codes(capsys):
 def test_the_readme_s_what_ptbr_does_list_matches_the_code():
     """Each promise of "What ptbr does" with a number or a name in it, against the constant the code uses."""
     from ptbr.errors import HangDetected, Interrupted, OutputError, TrainingDiverged
+    from ptbr.lock import LOCK_FILE
     from ptbr.runs.common import PREVIOUS
     from ptbr.train import watchdog
-    from ptbr.train.lock import LOCK_FILE
     from ptbr.train.loop import MAX_BAD_STEPS_IN_A_ROW
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
@@ -256,8 +256,8 @@ def test_a_ctrl_c_between_making_the_directory_and_holding_its_lock_leaves_none(
     import os
 
     from ptbr.config import PretrainConfig
+    from ptbr.lock import RunLock
     from ptbr.runs.common import open_run
-    from ptbr.train.lock import RunLock
 
     def interrupted(self):
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

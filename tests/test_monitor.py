@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ptbr.cli import main
+from ptbr.lock import LOCK_FILE
 from ptbr.monitor import (
     STALL_FACTOR,
     STALL_FLOOR_S,
@@ -28,7 +29,6 @@ from ptbr.monitor import (
     smoothed,
     stall_threshold,
 )
-from ptbr.train.lock import LOCK_FILE
 from ptbr.train.metrics import read_metrics
 from tests.conftest import REPO, run_cli, shown_size
 

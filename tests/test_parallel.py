@@ -302,8 +302,8 @@ def test_a_failed_launch_removes_only_a_directory_no_run_holds_and_keeps_a_crash
     process does; not while another run holds the lock (one started into the same new --output at
     the same moment, which won it: the directory is that run's), and not after a crash or a killed
     rank (exit 1), where the workers' logs are what says why."""
+    from ptbr.lock import RunLock
     from ptbr.runs.common import remove_a_launch_that_never_started
-    from ptbr.train.lock import RunLock
 
     def made() -> Path:
         run = tmp_path / "run"

@@ -159,7 +159,7 @@ def test_a_run_that_loses_the_lock_of_a_new_directory_leaves_the_winner_s_direct
     import ptbr.runs.common as common
     from ptbr.config import PretrainConfig
     from ptbr.errors import OutputError
-    from ptbr.train.lock import RunLock
+    from ptbr.lock import RunLock
 
     out = tmp_path / "run"
     real_create = common.create_run_dir
@@ -496,7 +496,7 @@ def test_a_lock_taken_on_a_file_that_was_just_removed_is_no_lock(tmp_path, monke
     run would lock a new one beside it. The lock is checked to be the file at its path."""
     import fcntl
 
-    import ptbr.train.lock as lock
+    import ptbr.lock as lock
     from ptbr.errors import OutputError
 
     real_flock = fcntl.flock

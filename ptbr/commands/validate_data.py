@@ -4,6 +4,7 @@ number; exit code 0 only when every file is clean (warnings, such as long exampl
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ptbr.config import FinetuneConfig
@@ -64,17 +65,21 @@ def main(args) -> int:
     else:
         note = None
     if args.json:
+        if note:  # stdout holds the JSON only
+            print(note, file=sys.stderr)
         print(json.dumps([{"file": str(r.path), "format": r.schema, "examples": len(r.records),
                            "usable": len(r.examples) if tokenizer else None,
                            "longest_tokens": r.longest if tokenizer else None, "too_long": r.too_long,
                            "problems": r.problems, "warnings": r.warnings} for r in reports], indent=2))
     else:
         for report in reports:
-            count = len(report.records)
+            count = len(report.records) - report.rejected
             described = f"{count} valid example{'' if count == 1 else 's'} ({report.schema or 'no known format'})"
+            if report.rejected:
+                described += f", {report.rejected} the chat template rejects"
             if tokenizer is not None and report.records:
-                described += (f", {len(report.examples)} usable within max_seq_len {max_seq_len:,} "
-                              f"(longest {report.longest:,} tokens)")
+                described += f", {len(report.examples)} usable within max_seq_len {max_seq_len:,}" + (
+                    f" (longest {report.longest:,} tokens)" if report.longest else "")
             print(f"{report.path}: {described}")
             for problem in report.problems:
                 print(f"  {problem}")

@@ -17,6 +17,8 @@ from ptbr.data.tokenizer import PAD_TOKEN, eos_id, load_tokenizer, train_tokeniz
 from ptbr.data.tokens import INCOMPLETE_MARKER
 from ptbr.errors import ConfigError, DataError, OutputError, collect
 from ptbr.files import file_sha256, fsync, remove_leftovers, writing
+from ptbr.lock import LOCK_FILE, RunLock
+from ptbr.outputs import enclosing_run, model_files_in
 
 META_FORMAT = "ptbr-tokens"
 DOCS_PER_BATCH = 256
@@ -42,7 +44,10 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     the end, meta.json last, with INCOMPLETE_MARKER present while the files are swapped: a crash or
     a full disk never leaves token files that look like a complete dataset."""
     problems = []
-    if not isinstance(vocab_size, int) or not 300 <= vocab_size <= MAX_VOCAB_SIZE:
+    if tokenizer_path and vocab_size != DEFAULT_VOCAB_SIZE:
+        _log(f"warning: --vocab-size {vocab_size} is not used with --tokenizer: the dataset has that tokenizer's "
+             "vocabulary")
+    elif not isinstance(vocab_size, int) or not 300 <= vocab_size <= MAX_VOCAB_SIZE:
         problems.append(f"--vocab-size must be within [300, {MAX_VOCAB_SIZE:,}] (256 bytes + merges), got {vocab_size}")
     if not inputs or any(not str(item).strip() for item in inputs):
         problems.append("--input must name files or directories, got an empty path")
@@ -54,47 +59,87 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     files = find_corpus_files(inputs)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     output = Path(output)
-    run = [name for name in RUN_MARKERS if (output / name).exists()]
-    if run:
-        raise OutputError(f"the output directory holds a training run ({run[0]}), not a dataset", str(output),
-                          "give the dataset a directory of its own with --output (e.g. data/NAME)")
-    if output.exists() and not output.is_dir():
-        raise OutputError("the output path is a file, not a directory", str(output),
-                          "give the dataset a directory of its own with --output (e.g. data/NAME)")
+    _refuse_what_is_not_a_datasets(output)
     for item in inputs:  # the corpus's own folder: the dataset's files would mix with the text files
         source = Path(item).expanduser()
         if source.exists() and (source if source.is_dir() else source.parent).resolve() == output.resolve():
             raise OutputError(f"the output directory is the folder of --input {item}: the dataset would be written "
                               "among the corpus files", str(output),
                               "give the dataset a directory of its own with --output (e.g. data/NAME)")
-    created = not output.exists()
+    made = _first_missing(output)  # the topmost folder this command creates (None: it exists)
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create the output directory: {exc.strerror or exc}", str(output),
                           "choose a path you can write to with --output") from exc
-    remove_leftovers(output)
-    if (output / "meta.json").is_file():
-        _log(f"replacing the dataset in {output} (its files stay as they are until the new one is complete)")
     stage = output / f".tmp-prepare-{os.getpid()}"
+    lock = None
     try:
+        lock = RunLock(output).acquire()  # a second prepare into it at once is refused
+        remove_leftovers(output)
+        if (output / "meta.json").is_file():
+            _log(f"replacing the dataset in {output} (its files stay as they are until the new one is complete)")
         with writing("the dataset", output):
             stage.mkdir()
             meta = _write_dataset(files, stage, tokenizer, tokenizer_path, vocab_size, val_fraction, show_progress)
             _swap_in(stage, output)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)  # before the rmdir below (`finally` comes after it)
-        if created:  # a failed or stopped first prepare leaves no empty directory behind
-            try:
-                output.rmdir()
-            except OSError:
-                pass
+        shutil.rmtree(stage, ignore_errors=True)
+        if made is not None and lock is not None:  # a failed or stopped first prepare leaves no folder behind
+            _remove_if_empty(made, output)
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        if lock is not None:  # a dataset keeps no lock file (one that waits for it is told it went)
+            (output / LOCK_FILE).unlink(missing_ok=True)
+            lock.release()
     _log(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({meta['dtype']}, vocab "
          f"{meta['vocab_size']:,}) to {output}")
     return meta
+
+
+def _refuse_what_is_not_a_datasets(output: Path) -> None:
+    """A dataset replaces tokenizer.json in its --output: never a file, a training run or a folder
+    inside one, a model's folder (a run's final/, a base, an adapter), nor a tokenizer's own."""
+    fix = "give the dataset a directory of its own with --output (e.g. data/NAME)"
+    run = [name for name in RUN_MARKERS if (output / name).exists()]
+    if run:
+        raise OutputError(f"the output directory holds a training run ({run[0]}), not a dataset", str(output), fix)
+    if output.exists() and not output.is_dir():
+        raise OutputError("the output path is a file, not a directory", str(output), fix)
+    outer = enclosing_run(output)
+    if outer is not None:
+        raise OutputError(f"the output directory is inside the training run {outer}, among its files", str(output),
+                          fix)
+    model = model_files_in(output)
+    if model:
+        raise OutputError(f"the output directory holds a model ({model[0]}), not a dataset: its tokenizer.json would "
+                          "be replaced", str(output), fix)
+    if (output / "tokenizer.json").exists() and not (output / "meta.json").exists() \
+            and not (output / "train.bin").exists():
+        raise OutputError("the output directory holds a tokenizer.json of its own, not a dataset's: it would be "
+                          "replaced", str(output), f"{fix}; a tokenizer to reuse is what --tokenizer names")
+
+
+def _first_missing(path: Path) -> Path | None:
+    path = path.absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def _remove_if_empty(made: Path, output: Path) -> None:
+    """Remove `made` (the topmost folder prepare created) where it holds only `output` and the lock."""
+    try:
+        (output / LOCK_FILE).unlink(missing_ok=True)
+        for folder in (output.absolute(), *output.absolute().parents):
+            folder.rmdir()  # OSError where something else is there: left as it is
+            if folder == made:
+                break
+    except OSError:
+        pass
 
 
 def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: str | None, vocab_size: int,
@@ -150,9 +195,9 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
     if not counts["train"]:
         raise DataError("the inputs hold no text to tokenize", ", ".join(str(f) for f in files[:3]),
                         "give .txt files with text, or .jsonl files whose \"text\" fields are not empty")
-    if not counts["val"] and val_fraction > 0:
-        _log(f"warning: the corpus is too small for --val-fraction {val_fraction}: no val.bin written, "
-             "training will not evaluate (raise --val-fraction or add text)")
+    if not counts["val"] and val_fraction > 0:  # the first document always trains, the second goes to val
+        _log("warning: the corpus is one document, and the first one always trains: no val.bin written, training "
+             "will not evaluate (separate its documents with blank lines, or add text)")
     share = counts["val"] / (counts["train"] + counts["val"])
     if counts["val"] and share > 2 * val_fraction and share - val_fraction > 0.01:
         # whole documents go to val: with few of them, one can be far more than the share asked

@@ -38,8 +38,31 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    _interruptible(lambda: tokenizer.train_from_iterator(texts, trainer=trainer))
     return tokenizer
+
+
+def _interruptible(work) -> None:
+    """Run `work` in a thread of its own while this one waits: tokenizers' training computes its
+    merges in Rust, which never returns to Python until done, so a Ctrl-C or SIGTERM (raised in
+    the main thread) waited for the whole training, minutes on a large corpus. The wait here is
+    interrupted at once; the thread (a daemon, reading and merging only) ends with the process."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="ptbr-tokenizer-training", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def load_tokenizer(path: str | Path):

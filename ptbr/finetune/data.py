@@ -77,6 +77,7 @@ class JsonlReport:
     examples: list[Example] = field(default_factory=list)
     longest: int = 0  # tokens of the longest example before truncation
     too_long: int = 0  # examples longer than max_seq_len
+    rejected: int = 0  # valid lines the chat template cannot render
     # problems which no edit of a line fixes (fix_of): nothing left within max_seq_len, examples
     # beyond the base's positions (how many it has), a validation file in another format than the
     # training file's (that format)
@@ -259,7 +260,7 @@ def encode_record(tokenizer, record: Record) -> tuple[list[int], list[bool]]:
     if record.schema == "messages":
         return _encode_messages(tokenizer, value["messages"])
     if record.schema == "prompt_completion":
-        prompt = _ids(tokenizer, value["prompt"], special=True)
+        prompt = _prompt_ids(tokenizer, value["prompt"])
         completion = _ended(_ids(tokenizer, value["completion"]), eos)
         return prompt + completion, [False] * len(prompt) + [True] * len(completion)
     ids = _ended(_ids(tokenizer, value["text"], special=True), eos)
@@ -278,12 +279,24 @@ def encode_prompt(tokenizer, prompt: str, schema: str | None) -> list[int]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
         return _ids(tokenizer, text)
-    return _ids(tokenizer, prompt, special=True)
+    return _prompt_ids(tokenizer, prompt)
 
 
 def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
     # special=True adds what the tokenizer puts around a text by itself (e.g. Mistral's <s>)
     return list(tokenizer(text, add_special_tokens=special)["input_ids"]) if text else []
+
+
+def _prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt as the start of a sequence: with what the tokenizer puts before a text (a BOS), not
+    the EOS one that adds an EOS too (add_eos_token) would put after it, where the completion goes."""
+    ids = _ids(tokenizer, prompt, special=True)
+    eos = tokenizer.eos_token_id
+    if eos is not None and ids and ids[-1] == eos:
+        plain = _ids(tokenizer, prompt)
+        if len(ids) > len(plain) and ids[len(ids) - 1 - len(plain):-1] == plain:  # added after the text
+            ids = ids[:-1]
+    return ids
 
 
 def _encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
@@ -323,13 +336,47 @@ def _encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[b
     return ids, targets
 
 
+def _written_texts(record: Record) -> list[str]:
+    value = record.value
+    if record.schema == "messages":
+        return [m["content"] for m in value["messages"]]
+    if record.schema == "prompt_completion":
+        return [value["prompt"], value["completion"]]
+    return [value["text"]]
+
+
+def _warn_of_written_special_tokens(report: JsonlReport, tokenizer) -> None:
+    """A special token's text inside an example (Mistral's `<s>`/`</s>` are HTML's strikethrough
+    tags) is encoded as the token itself, as Hugging Face's tokenizers, TRL and mlx-lm do: that is
+    what lets text pre-formatted with `<s>[INST] ... [/INST] ...</s>` train as meant, and what makes
+    a web page's `</s>` an end of sequence in the middle of an answer. Said, with the lines."""
+    specials = [token for token in getattr(tokenizer, "all_special_tokens", []) or [] if token]
+    found: dict[str, int] = {}
+    lines = []
+    for record in report.records:
+        texts = _written_texts(record)
+        here = [token for token in specials if any(token in text for text in texts)]
+        if here:
+            lines.append(record.line)
+            for token in here:
+                found[token] = found.get(token, 0) + 1
+    if lines:
+        report.warnings.append(
+            f"{len(lines)} of {len(report.records)} examples hold the text of the tokenizer's special tokens "
+            f"({', '.join(repr(t) for t in found)}; lines {_lines(lines)}): each is encoded as that token itself, "
+            "as Hugging Face's tokenizers do (an HTML </s> ends the sequence there); remove them where they are "
+            "text, keep them where the examples were formatted with them on purpose")
+
+
 def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_long: bool) -> None:
+    _warn_of_written_special_tokens(report, tokenizer)
     long_lines, emptied_lines = [], []
     for record in report.records:
         try:
             ids, targets = encode_record(tokenizer, record)
         except TemplateProblem as exc:
             report.problems.append(f"line {record.line}: {exc}")
+            report.rejected += 1
             continue
         report.longest = max(report.longest, len(ids))
         if max_seq_len is not None and len(ids) > max_seq_len:
@@ -391,6 +438,9 @@ def inspect_pair(train_path: Path, valid_path: Path | None, tokenizer=None, max_
     longer than the model can take."""
     reports = [inspect_jsonl(p, tokenizer, max_seq_len, drop_long) for p in (train_path, valid_path) if p is not None]
     train = reports[0]
+    if valid_path is not None and valid_path.resolve() == train_path.resolve():
+        reports[1].warnings.append("it is the training file: the validation loss will measure memorisation, and the "
+                                   "best adapter is the one that fits the training data best")
     for valid in reports[1:]:
         if train.schema and valid.schema and valid.schema != train.schema:
             valid.training_format = train.schema

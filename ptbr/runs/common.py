@@ -47,7 +47,7 @@ from ptbr.train.checkpoint import (
     read_state,
     why_incomplete,
 )
-from ptbr.train.lock import LOCK_FILE, RunLock, held_if_free
+from ptbr.lock import LOCK_FILE, RunLock, held_if_free
 from ptbr.train.loop import LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule

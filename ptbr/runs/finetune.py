@@ -98,9 +98,6 @@ def load_data(settings: FinetuneConfig, tokenizer,
               positions: int | None = None) -> tuple[JsonlReport, JsonlReport | None]:
     """Check and encode train (and valid); every problem of both files in one DataError."""
     train_path, valid_path = data_paths(settings.data, settings.valid)
-    if valid_path is not None and valid_path.resolve() == train_path.resolve():
-        log("warning: the validation file is the training file: the validation loss will measure memorisation, "
-            "and the best adapter is the one that fits the training data best")
     reports = inspect_pair(train_path, valid_path, tokenizer, settings.max_seq_len, settings.drop_long, positions)
     for report in reports:
         for warning in report.warnings:

@@ -1,4 +1,5 @@
-"""One run per output directory: OUTPUT/.ptbr.lock, held with flock for the life of the process.
+"""One ptbr command per output directory (a run, a dataset): OUTPUT/.ptbr.lock, held with flock for
+the life of the process.
 
 The kernel releases an flock when its process dies (even by SIGKILL), so a lock left behind by a
 dead run is taken over; the PID written inside names the owner in messages.

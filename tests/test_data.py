@@ -34,6 +34,28 @@ def test_prepare_writes_bins_tokenizer_and_meta(dataset_dir, corpus_dir):
     assert tokenizer.decode(first.tolist()) == "O sol nasceu devagar sobre a serra, e a cidade acordou com cheiro de café e pão quente. Parágrafo 0."
 
 
+def test_utf16_without_a_byte_order_mark_is_not_taken_for_text(tmp_path, capsys):
+    """UTF-16-LE of ASCII text is valid UTF-8, a NUL after every character: it was tokenized as such."""
+    text = tmp_path / "utf16.txt"
+    text.write_bytes("Bom dia, mundo.\n\nOutro documento.\n".encode("utf-16-le"))
+    assert main(["prepare", "--input", str(text), "--output", str(tmp_path / "out"), "--vocab-size", "300"]) == 3
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: file holds NUL characters: UTF-16 text without a byte-order mark, or not text ({text}); fix: "
+        "convert it to UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_is_searched_without_its_hidden_files_and_folders(tmp_path):
+    from ptbr.data.corpus import find_corpus_files
+
+    for name in ("a.txt", "sub/b.jsonl", ".git/c.txt", ".hidden.txt", "sub/.cache/d.txt", "sub/e.md"):
+        (tmp_path / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "corpus" / name).write_text("texto\n")
+    corpus = tmp_path / "corpus"
+    assert find_corpus_files([str(corpus)]) == [corpus / "a.txt", corpus / "sub" / "b.jsonl"]
+    assert find_corpus_files([str(corpus / ".hidden.txt")]) == [corpus / ".hidden.txt"]  # named: read
+
+
 def test_a_file_named_twice_is_read_once(tmp_path, dataset_dir, corpus_dir, capsys):
     """Named directly and inside its directory: its documents would be counted twice (and could
     land in train.bin and val.bin both)."""

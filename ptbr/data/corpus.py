@@ -15,13 +15,16 @@ MAX_CHUNK_CHARS = 1 << 20
 
 
 def find_corpus_files(inputs: list[str]) -> list[Path]:
-    """Every .txt/.jsonl file named or found (recursively, sorted) under the given inputs."""
+    """Every .txt/.jsonl file named or found (recursively, sorted, hidden ones left out) under the
+    given inputs."""
     files: list[Path] = []
     problems = []
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+            # hidden files and folders (.git/, an editor's backups) are not the corpus
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
             if not found:
                 problems.append(f"no .txt or .jsonl files in directory {path}")
             files.extend(found)
@@ -86,6 +89,9 @@ def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:
     with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
         # at most a piece at a time: a file that is one huge line (no newlines) is not read whole
         for line in iter(lambda: f.readline(MAX_CHUNK_CHARS), ""):
+            if "\x00" in line:  # valid UTF-8, but no text holds it: UTF-16 without its byte-order mark
+                raise DataError("file holds NUL characters: UTF-16 text without a byte-order mark, or not text",
+                                str(path), "convert it to UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
             whole = line.endswith("\n") or len(line) < MAX_CHUNK_CHARS  # the line's end (or the file's)
             blank = not continued and whole and not line.strip()
             continued = not whole

@@ -388,12 +388,9 @@ def _command(args) -> int:
     except BrokenPipeError:
         raise  # our reader has gone: not a crash (main ends quietly)
     except KeyboardInterrupt as exc:
-        from ptbr.errors import Interrupted, signal_of
+        from ptbr.errors import Interrupted, interrupted
 
-        _say(Interrupted(f"stopped by {signal_of(exc)}", f"ptbr {args.command}",
-                         "run the same command again (a training run resumes from its last checkpoint, where it "
-                         "saved one)" if args.command in ("train", "finetune") else
-                         "run the same command again").one_line())
+        _say(interrupted(exc, args.command).one_line())
         return Interrupted.exit_code
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line + a crash report
         if debug:

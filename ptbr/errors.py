@@ -134,6 +134,14 @@ def signal_of(interrupt: KeyboardInterrupt) -> str:
     return interrupt.args[0] if interrupt.args else "SIGINT"
 
 
+def interrupted(exc: KeyboardInterrupt, command: str) -> Interrupted:
+    """A stop by SIGINT/SIGTERM outside a run's graceful stop, as the CLI says it (and a run's log)."""
+    resumes = command in ("train", "finetune")
+    return Interrupted(f"stopped by {signal_of(exc)}", f"ptbr {command}",
+                       "run the same command again (a training run resumes from its last checkpoint, where it saved "
+                       "one)" if resumes else "run the same command again")
+
+
 def error_line(exc: BaseException, crash_report: str | None = None, traceback_shown: bool = False) -> str:
     """The one line the CLI prints for an exception (and a run writes to train.log). An unexpected
     one points to its crash report where a run wrote one, else to its traceback (shown above with

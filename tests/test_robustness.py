@@ -340,6 +340,7 @@ def test_sigterm_before_training_starts_is_exit_130_with_a_line(tmp_path):
         raise SystemExit(main(sys.argv[1:]))
     """)
     out = tmp_path / "run"
+    out.mkdir()  # the user's: kept, with the run's log (a directory the run made would go, holding only that)
     proc = subprocess.Popen([sys.executable, "-c", script, "train", "--output", str(out), *TINY, "--max-steps", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(ready.exists, what="the run to start")
@@ -349,6 +350,8 @@ def test_sigterm_before_training_starts_is_exit_130_with_a_line(tmp_path):
     assert last_line(err) == ("error: stopped by SIGTERM (ptbr train); fix: run the same command again (a training "
                               "run resumes from its last checkpoint, where it saved one)")
     assert not (out / "checkpoints").exists() and "Traceback" not in err
+    # train.log ends with the same line (it had only "error: stopped by SIGTERM")
+    assert (out / "train.log").read_text().splitlines()[-1].endswith(last_line(err))
 
 
 def test_a_stopped_run_whose_stderr_reader_has_gone_still_ends_with_130(tmp_path):

@@ -33,6 +33,7 @@ from ptbr.errors import (
     OutputError,
     PtbrError,
     error_line,
+    interrupted,
 )
 from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
 from ptbr.outputs import folder_refusal, input_refusal
@@ -135,7 +136,9 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
         yield run_dir
     except BaseException as exc:
         if "log" in held and not isinstance(exc, SystemExit):
-            to_file_only(held["log"], error_line(exc, "crash_report.txt in this directory"))
+            stopped = isinstance(exc, KeyboardInterrupt)  # the line the CLI prints, fix included
+            to_file_only(held["log"], interrupted(exc, settings.command).one_line() if stopped
+                         else error_line(exc, "crash_report.txt in this directory"))
         # a user's error (bad data, a checkpoint refused) or a stop before the run trained: the
         # directory this run made holds only its log, lock and run_config.json (bad validation data
         # is found after it is written), and would read as a run that started.

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -282,19 +283,47 @@ def test_sigterm_to_one_rank_stops_the_run_with_130_too(tmp_path):
     assert len(list((run / "checkpoints").iterdir())) == 1
 
 
-def test_a_failing_rank_s_exit_code_is_the_run_s(tmp_path):
+def test_missing_data_is_refused_before_any_worker_starts(tmp_path):
+    """Each worker imported torch and built its backend before finding that --data is not there:
+    the same line, seconds later, and a directory made and removed."""
+    started = time.monotonic()
     bad = ptbr("train", "--output", str(tmp_path / "run"), "--num-processes", "2", "--data", str(tmp_path / "nope"),
                *TINY)
-    assert bad.returncode == 3
-    assert bad.stderr.strip().splitlines()[-1].startswith("error: data directory not found")
-    assert "Traceback" not in bad.stderr
-    # the --output it made holds no run (its lock, log and the workers' logs were left behind)
+    assert bad.returncode == 3 and bad.stderr.strip().splitlines()[-1].startswith("error: data directory not found")
+    assert "starting 2 data-parallel processes" not in bad.stderr and not (tmp_path / "run").exists()
+    assert time.monotonic() - started < 60
+    tuned = ptbr("finetune", "--base", str(tmp_path), "--data", str(tmp_path / "nope.jsonl"), "--output",
+                 str(tmp_path / "ft"), "--num-processes", "2", "--device", "cpu")
+    assert tuned.returncode == 3 and "error: training data not found" in tuned.stderr
+    assert "starting 2" not in tuned.stderr
+    (tmp_path / "data").mkdir()  # --output the directory of --data
+    (tmp_path / "data" / "train.jsonl").write_text('{"text": "oi"}\n')
+    inside = ptbr("finetune", "--base", str(tmp_path), "--data", str(tmp_path / "data"), "--output",
+                  str(tmp_path / "data"), "--num-processes", "2", "--device", "cpu")
+    assert inside.returncode == 6 and "--output is the directory of --data" in inside.stderr
+    assert "starting 2" not in inside.stderr
+
+
+def test_a_failing_rank_s_exit_code_is_the_run_s(tmp_path):
+    """A failure found inside the workers (a token id beyond the vocabulary, at the first batch):
+    the run's exit code is the rank's."""
+    from ptbr.data import SAMPLE_DIR
+
+    data = tmp_path / "data"
+    shutil.copytree(SAMPLE_DIR, data)
+    tokens = np.fromfile(data / "train.bin", dtype="<u2")
+    tokens[::7] = 65000  # wherever a window lands
+    tokens.tofile(data / "train.bin")
+    bad = ptbr("train", "--output", str(tmp_path / "run"), "--num-processes", "2", "--data", str(data), *TINY)
+    assert bad.returncode == 3, bad.stderr[-3000:]
+    assert "token id 65000 >= vocab size" in bad.stderr.strip().splitlines()[-1]
+    assert "starting 2 data-parallel processes" in bad.stderr and "Traceback" not in bad.stderr
+    # the --output it made holds no run (its lock, log, settings and the workers' logs were left behind)
     assert not (tmp_path / "run").exists()
     mine = tmp_path / "mine"  # one that was there before keeps what it held, the error's log included
     mine.mkdir()
-    assert ptbr("train", "--output", str(mine), "--num-processes", "2", "--data", str(tmp_path / "nope"),
-                *TINY).returncode == 3
-    assert "error: data directory not found" in (mine / "train.log").read_text()
+    assert ptbr("train", "--output", str(mine), "--num-processes", "2", "--data", str(data), *TINY).returncode == 3
+    assert "token id 65000 >= vocab size" in (mine / "train.log").read_text()
 
 
 def test_a_failed_launch_removes_only_a_directory_no_run_holds_and_keeps_a_crash_s_logs(tmp_path):

@@ -90,17 +90,22 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
 
     from ptbr.backends.torch.distributed import launch, visible_gpus
     from ptbr.log import log
-    from ptbr.runs.common import WORKER_LOGS, remove_a_launch_that_never_started
+    from ptbr.runs.common import (
+        WORKER_LOGS,
+        check_before_launch,
+        remove_a_launch_that_never_started,
+    )
 
-    created = not Path(settings.output).exists()
-    logs = Path(settings.output) / WORKER_LOGS
-    log(f"starting {processes} data-parallel processes (rank 0 reports here; the others log to {logs})")
     gpus, cores = visible_gpus(), os.cpu_count() or 1
     if gpus and processes > gpus:
         log(f"warning: {processes} processes on {gpus} GPU(s): ranks share a GPU (one process per GPU is the usual)")
     elif not gpus and processes > cores:
         log(f"warning: {processes} processes on {cores} CPU cores: each rank gets a fraction of a core, and the run "
             "is slower than with fewer (on a CPU, data parallelism is for testing a multi-GPU setup)")
+    check_before_launch(settings)
+    created = not Path(settings.output).exists()
+    logs = Path(settings.output) / WORKER_LOGS
+    log(f"starting {processes} data-parallel processes (rank 0 reports here; the others log to {logs})")
     code = launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
     if code and created:
         remove_a_launch_that_never_started(Path(settings.output), code)

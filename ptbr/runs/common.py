@@ -84,6 +84,25 @@ def refuse_an_input_as_output(settings) -> None:
         raise OutputError(refused[0], str(settings.output), refused[1])
 
 
+def check_before_launch(settings) -> None:
+    """What a run in one process refuses within its first second, refused before a data-parallel
+    launch starts its workers (each would import torch and build its backend first, then fail with
+    the same line, seconds later): the --output, and the data's files being there."""
+    refuse_an_input_as_output(settings)
+    refused = folder_refusal(settings.output)
+    if refused:
+        raise OutputError(refused[0], str(settings.output), refused[1])
+    if settings.command == "finetune":
+        from ptbr.finetune.data import data_paths
+
+        data_paths(settings.data, settings.valid)
+    else:
+        from ptbr.data import SAMPLE_DIR
+        from ptbr.data.tokens import open_dataset
+
+        open_dataset(settings.data or SAMPLE_DIR, settings.tokenizer)
+
+
 @contextmanager
 def closing_world(world: World) -> Iterator[World]:
     """Close a data-parallel run's world (destroy its process group, whose threads would otherwise

@@ -69,6 +69,10 @@ def test_resume_never_then_auto_never_revives_the_old_run(tmp_path, capsys):
     (["--batch-size", "8"], "effective_batch is 4 in the checkpoint, 8 now"),
     (["--seed", "7"], "seed is 1337 in the checkpoint, 7 now"),
     (["--learning-rate", "0.001"], "learning_rate is 0.003 in the checkpoint, 0.001 now"),
+    # torch's optimizer state brought back the checkpoint's: recorded in run_config.json, never used
+    (["--weight-decay", "0.9"], "weight_decay is 0.1 in the checkpoint, 0.9 now"),
+    (["--beta1", "0.5", "--beta2", "0.6"], "beta1 is 0.9 in the checkpoint, 0.5 now; beta2 is 0.95 in the checkpoint, "
+                                          "0.6 now"),
     pytest.param(["--backend", "mlx"], "backend is 'torch' in the checkpoint, 'mlx' now (--backend torch resumes it)",
                  marks=pytest.mark.skipif(find_spec("mlx") is None, reason="mlx is not installed")),
 ])
@@ -231,6 +235,21 @@ def test_max_steps_on_resume_continues_the_same_schedule(tmp_path, capsys):
     # a smaller --max-steps than the checkpoint's step is refused, not silently "done"
     assert train(out, "--max-steps", "3") == 2
     assert "the checkpoint is at step 6, past --max-steps 3" in last_error(capsys)
+
+
+def test_run_config_records_the_schedule_a_resumed_run_follows(tmp_path):
+    """Resumed with a longer --max-steps, the default warmup (5% of it) is not what the run uses:
+    run_config.json (and the report's settings) showed 2 where the checkpoint's schedule, 1, ruled."""
+    out = tmp_path / "run"
+    assert train(out, "--max-steps", "4", "--save-every", "4") == 0
+    assert train(out, "--max-steps", "30", "--save-every", "0") == 0
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["settings"]["warmup_steps"] == 1 and config["settings"]["max_steps"] == 30
+    assert config["schedule"] == {"peak_lr": 3e-3, "warmup_steps": 1, "horizon": 4, "min_lr_ratio": 0.1}
+    fresh = tmp_path / "fresh"
+    assert train(fresh, "--max-steps", "3") == 0
+    assert json.loads((fresh / "run_config.json").read_text())["schedule"] == {
+        "peak_lr": 3e-3, "warmup_steps": 1, "horizon": 3, "min_lr_ratio": 0.1}
 
 
 def test_a_damaged_metrics_line_costs_that_line_only(tmp_path, capsys):

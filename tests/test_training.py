@@ -163,6 +163,10 @@ def test_a_resume_in_another_precision_is_said(tmp_path, capsys):
             in capsys.readouterr().err)
     train(out, "--max-steps", "4", "--precision", "bf16")
     assert "note: this run trained in" not in capsys.readouterr().err
+    # run again when finished, in another precision: no step trains, and its record stays as trained
+    train(out, "--max-steps", "4", "--precision", "fp32")
+    assert "note: this run trained in" not in capsys.readouterr().err
+    assert json.loads((out / "run_config.json").read_text())["precision"] == "bf16"
 
 
 def test_resume_never_starts_over(tmp_path):

@@ -49,7 +49,7 @@ from ptbr.train.checkpoint import (
     why_incomplete,
 )
 from ptbr.lock import LOCK_FILE, RunLock, held_if_free
-from ptbr.train.loop import LoopState, TrainingStep
+from ptbr.train.loop import OPTIMIZER_SETTINGS, LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule
 from ptbr.versions import install_extra
@@ -374,11 +374,24 @@ def schedule_problems(schedule: Schedule, settings) -> list[str]:
     return found
 
 
+def optimizer_problems(recorded, settings) -> list[str]:
+    """AdamW's weight decay and betas: torch's optimizer state restores the checkpoint's (a new
+    value would be recorded and never used), MLX's would take the new one; neither silently.
+    Checkpoints of older versions record none."""
+    if not isinstance(recorded, dict):
+        return []
+    return [f"{name} is {recorded[name]:g} in the checkpoint, {getattr(settings, name):g} now"
+            for name in OPTIMIZER_SETTINGS if isinstance(recorded.get(name), int | float)
+            and recorded[name] != getattr(settings, name)]
+
+
 def _check_belongs(path: Path, state: dict, settings, identity: dict) -> None:
     problems = identity_problems(state.get("run", {}).get("identity") if isinstance(state.get("run"), dict) else None,
                                  identity)
     if not problems and "scheduler" in state:
         problems = schedule_problems(Schedule.from_dict(state["scheduler"]), settings)
+    if not problems:
+        problems = optimizer_problems(state.get("optimizer"), settings)
     if problems:
         raise ConfigError(f"the checkpoint belongs to another run: {'; '.join(problems)}", str(path),
                           "rerun with the first run's settings, or start over with --resume never (the old run's "
@@ -496,14 +509,24 @@ def write_run_config(run_dir: Path, command: str, settings, backend, resume: Res
         return
     # the run_config.json a resumed run's directory already holds (none or unreadable: no note)
     before = (read_json(run_dir / "run_config.json") if resume.checkpoint else None) or {}
-    if before.get("precision") not in (None, backend.precision):  # allowed (another GPU, say), but said
+    # a finished run run again trains no step here: it was trained as its run_config.json says
+    trains = resume.state is None or int(resume.state.get("step", 0)) < settings.max_steps
+    placement = {"device": backend.device, "precision": backend.precision}
+    if not trains and before.get("precision"):
+        placement = {"device": before.get("device", backend.device), "precision": before["precision"]}
+    elif before.get("precision") not in (None, backend.precision):  # allowed (another GPU, say), but said
         log(f"note: this run trained in {before['precision']} until now and goes on in {backend.precision}; "
             f"--precision {before['precision']} continues as it was")
+    recorded = dataclasses.asdict(settings)
+    schedule = resume.schedule or Schedule.from_settings(settings)
+    # the schedule it follows is the checkpoint's: a warmup derived from a new --max-steps is not it
+    recorded["warmup_steps"] = schedule.warmup_steps
     write_json(run_dir / "run_config.json", {
         "command": command,
-        "settings": dataclasses.asdict(settings),
+        "settings": recorded,
+        "schedule": schedule.as_dict(),
         **extra,
-        "backend": backend.name, "device": backend.device, "precision": backend.precision,
+        "backend": backend.name, **placement,
         "processes": backend.world.size, "effective_batch": effective_batch(settings, backend.world),
         "versions": backend.versions(),
         "resumed_from": str(resume.checkpoint) if resume.checkpoint else None,

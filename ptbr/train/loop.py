@@ -204,6 +204,9 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
     return state
 
 
+OPTIMIZER_SETTINGS = ("weight_decay", "beta1", "beta2")
+
+
 def _trainer_state(state: LoopState, settings, schedule: Schedule, lr: float) -> dict:
     """What a checkpoint records besides the backend's states. The schedule and the batch source
     are pure functions of the step, so the step and the schedule's shape are their whole state."""
@@ -213,6 +216,8 @@ def _trainer_state(state: LoopState, settings, schedule: Schedule, lr: float) ->
                       **schedule.as_dict(), "max_steps": settings.max_steps},
         "sampler": {"position": state.step, "seed": settings.seed, "batch_size": settings.batch_size,
                     "grad_accum": settings.grad_accum},
+        # AdamW's settings: torch's optimizer state brings its own back on resume, MLX's does not
+        "optimizer": {name: getattr(settings, name) for name in OPTIMIZER_SETTINGS},
     }
 
 

@@ -264,11 +264,36 @@ def command() -> int:
     exit_a_failed_rank). main() itself always returns, for callers from Python."""
     code = main()
     _forget_caught_interrupts()
+    _keep_the_outcome(code)
     if code:
         from ptbr.commands import end_a_failed_rank
 
         end_a_failed_rank(code)
     return code
+
+
+def _keep_the_outcome(code: int) -> None:
+    """The command has its result: a Ctrl-C or SIGTERM in the second the interpreter then takes to
+    exit (torch's teardown) ended the process by that signal, -2 or -15 with no line, after a run
+    had printed `done:`. From here either signal ends the process at once with the command's own
+    exit code, its output flushed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum, frame) -> None:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
 
 
 def _forget_caught_interrupts() -> None:

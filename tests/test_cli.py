@@ -347,6 +347,22 @@ def test_ctrl_c_at_any_moment_of_start_up_is_exit_130_without_a_traceback(tmp_pa
     assert "Traceback" not in err and "stopped by SIGINT" in err, err[-3000:]
 
 
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_after_the_command_ended_keeps_its_exit_code(stop):
+    """A signal in the second after a run's `done:` line (the interpreter's teardown) ended the
+    process by that signal (-2, -15), with no line, though the run had finished."""
+    script = ("import os, signal, sys, time\n"
+              "import ptbr.cli as cli\n"
+              "cli.main = lambda argv=None: 0  # a command that finished\n"
+              "code = cli.command()\n"
+              f"os.kill(os.getpid(), signal.{stop})  # in the teardown that follows\n"
+              "time.sleep(30)\n"
+              "sys.exit(99)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "") and time.monotonic() - started < 20
+
+
 def test_a_ctrl_c_caught_inside_code_run_from_a_string_still_ends_with_130(tmp_path):
     """CPython ends a `python -m` program with SIGINT at exit (the shell sees -2, not 130) once a
     KeyboardInterrupt escaped code that exec() ran from a string, even where the program caught it:

@@ -325,6 +325,28 @@ def test_sigterm_saves_a_checkpoint_within_seconds_and_the_next_run_resumes(tmp_
     assert metric_lines(out) == step + 2
 
 
+def test_a_stop_signal_during_a_checkpoint_save_stops_at_that_checkpoint(tmp_path, monkeypatch, capsys):
+    """A SIGTERM that lands while a due checkpoint is written (the longest moment of a step for a
+    big model) was seen only after one more step and a second full save: seconds to minutes more
+    under `docker stop` or Kaggle's grace period, and the risk of a SIGKILL mid-save."""
+    import ptbr.train.loop as loop
+    from ptbr.cli import main
+
+    real = loop.save_checkpoint
+
+    def save_and_signal(run_dir, step, *args, **kwargs):
+        path = real(run_dir, step, *args, **kwargs)
+        if step == 2:
+            signal.raise_signal(signal.SIGTERM)  # as if it arrived while the files were written
+        return path
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_and_signal)
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), *TINY, "--max-steps", "6", "--save-every", "2"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM at step 2 ")
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000002"] and metric_lines(out) == 2
+
+
 def test_sigterm_before_training_starts_is_exit_130_with_a_line(tmp_path):
     """Before the graceful stop is in place (imports, data checks, building the model), SIGTERM
     stops a run as Ctrl-C does: exit 130 and one line, not the shell's silent 143."""

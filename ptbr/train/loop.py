@@ -191,6 +191,8 @@ def fit(backend: TrainingStep, source: BatchSource, eval_batches: list[Batch] | 
                                            write=world.is_main, progress=lambda what, saving=saving: beat(f"{saving}: {what}"))
                     if world.is_main:
                         callbacks.on_checkpoint(state, path)
+                    if not stopping and not last:  # a signal during the save: this checkpoint is the stop's
+                        stopping = world.any(stop.signal_name is not None) if world.size > 1 else bool(stop.signal_name)
                     if stopping:
                         # every rank waits for the checkpoint to be written: when one rank exits, the
                         # launcher stops the others, and a rank still writing would be stopped with it

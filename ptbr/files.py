@@ -205,6 +205,32 @@ def append_lines(path: Path, lines: list[str], what: str) -> None:
         f.write("".join(lines))
 
 
+def first_missing(path: Path) -> Path | None:
+    """The topmost folder of `path` that does not exist yet, which creating `path` makes (None
+    where `path` exists)."""
+    path = Path(path).absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def remove_empty_folders(path: Path, up_to: Path) -> None:
+    """Remove `path` and its parents up to `up_to` (a first_missing), each where it is empty: what a
+    refused command made on the way to its output goes with it; anything else in them stays."""
+    path, up_to = Path(path).absolute(), Path(up_to).absolute()
+    if path != up_to and up_to not in path.parents:  # not a folder it made: never touched
+        return
+    try:
+        for folder in (path, *path.parents):
+            folder.rmdir()  # OSError where something else is there: left as it is
+            if folder == up_to:
+                break
+    except OSError:
+        pass
+
+
 def remove_leftovers(folder: Path) -> None:
     """Delete what writes cut short by a crash left in `folder` (call it holding its lock): only
     ptbr's own, `.tmp-NAME-PID` and `.old-NAME-PID`; a user's `.tmp-notes.txt` or `.old-photos/`

@@ -70,6 +70,10 @@ def test_checkpoint_writers_keep_the_previous_checkpoint(tmp_path, limit, broken
     assert ptbr("train", "--output", str(out), *TINY, "--max-steps", "2", "--save-every", "2").returncode == 0
     run = ptbr_limited(limit, "train", "--output", str(out), *TINY, "--max-steps", "4", "--save-every", "2")
     assert_disk_full_line(run, "the checkpoint of step 4")
+    # a lower --keep-last alone frees nothing before the save that failed: the line says what can go
+    assert (f"fix: free space (older checkpoints in {out / 'checkpoints'} can go: a run resumes from its newest), or "
+            "keep fewer with a lower --keep-last (they are removed after each save, so N holds N + 1 for a moment)"
+            in run.stderr)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]  # no half-written one
     assert read_state(out / "checkpoints" / "step_000002")["step"] == 2
     assert not list(out.glob(".tmp-*")) and not list((out / "checkpoints").glob(".tmp-*"))

@@ -349,9 +349,20 @@ def test_a_failed_launch_removes_only_a_directory_no_run_holds_and_keeps_a_crash
     remove_a_launch_that_never_started(run, 3)
     assert not run.exists()
     run = made()
-    (run / "run_config.json").write_text("{}")  # the run had started: kept
+    (run / "run_config.json").write_text("{}")  # written before the first step: the run had not trained
+    (run / "metrics.jsonl").write_text("")
+    remove_a_launch_that_never_started(run, 3)
+    assert not run.exists()
+    run = made()
+    (run / "run_config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # the run had trained a step: kept
     remove_a_launch_that_never_started(run, 130)
     assert (run / "run_config.json").is_file()
+    # the parents the launch made on the way go with it, and only those
+    deep = tmp_path / "new" / "a" / "run"
+    (deep / "workers").mkdir(parents=True)
+    remove_a_launch_that_never_started(deep, 3, made=tmp_path / "new")
+    assert not (tmp_path / "new").exists() and tmp_path.is_dir()
 
 
 def test_more_processes_than_cores_is_a_warning(tmp_path):

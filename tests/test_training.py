@@ -371,6 +371,11 @@ def test_bad_data_found_before_the_first_step_leaves_no_run_directory_behind(tmp
     assert not (tmp_path / "run").exists()
     if part == "train":
         return
+    # the parents it made on the way go too; a folder of the user's stays, even empty
+    assert main([*args, "--output", str(tmp_path / "new" / "a" / "run")]) == 3
+    (tmp_path / "mine").mkdir()
+    assert main([*args, "--output", str(tmp_path / "mine" / "run")]) == 3
+    assert not (tmp_path / "new").exists() and (tmp_path / "mine").is_dir()
     (tmp_path / "kept").mkdir()  # a directory the user made: theirs, with what the run wrote in it
     assert main([*args, "--output", str(tmp_path / "kept")]) == 3
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".ptbr.lock", "run_config.json", "train.log"]

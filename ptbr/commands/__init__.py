@@ -89,6 +89,7 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
     from pathlib import Path
 
     from ptbr.backends.torch.distributed import launch, visible_gpus
+    from ptbr.files import first_missing
     from ptbr.log import log
     from ptbr.runs.common import (
         WORKER_LOGS,
@@ -103,12 +104,12 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
         log(f"warning: {processes} processes on {cores} CPU cores: each rank gets a fraction of a core, and the run "
             "is slower than with fewer (on a CPU, data parallelism is for testing a multi-GPU setup)")
     check_before_launch(settings)
-    created = not Path(settings.output).exists()
+    made = first_missing(Path(settings.output))  # the topmost folder the launch creates
     logs = Path(settings.output) / WORKER_LOGS
     log(f"starting {processes} data-parallel processes (rank 0 reports here; the others log to {logs})")
     code = launch(processes, args.argv, logs, debug=getattr(args, "debug", False))
-    if code and created:
-        remove_a_launch_that_never_started(Path(settings.output), code)
+    if code and made is not None:
+        remove_a_launch_that_never_started(Path(settings.output), code, made)
     return code
 
 

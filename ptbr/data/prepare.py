@@ -16,7 +16,14 @@ from ptbr.data.corpus import find_corpus_files, iter_documents, iter_texts
 from ptbr.data.tokenizer import PAD_TOKEN, eos_id, load_tokenizer, train_tokenizer
 from ptbr.data.tokens import INCOMPLETE_MARKER
 from ptbr.errors import ConfigError, DataError, OutputError, collect
-from ptbr.files import file_sha256, fsync, remove_leftovers, writing
+from ptbr.files import (
+    file_sha256,
+    first_missing,
+    fsync,
+    remove_empty_folders,
+    remove_leftovers,
+    writing,
+)
 from ptbr.lock import LOCK_FILE, RunLock
 from ptbr.outputs import enclosing_run, model_files_in
 
@@ -66,7 +73,7 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
             raise OutputError(f"the output directory is the folder of --input {item}: the dataset would be written "
                               "among the corpus files", str(output),
                               "give the dataset a directory of its own with --output (e.g. data/NAME)")
-    made = _first_missing(output)  # the topmost folder this command creates (None: it exists)
+    made = first_missing(output)  # the topmost folder this command creates (None: it exists)
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -86,7 +93,8 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         if made is not None and lock is not None:  # a failed or stopped first prepare leaves no folder behind
-            _remove_if_empty(made, output)
+            (output / LOCK_FILE).unlink(missing_ok=True)
+            remove_empty_folders(output, made)
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -119,27 +127,6 @@ def _refuse_what_is_not_a_datasets(output: Path) -> None:
             and not (output / "train.bin").exists():
         raise OutputError("the output directory holds a tokenizer.json of its own, not a dataset's: it would be "
                           "replaced", str(output), f"{fix}; a tokenizer to reuse is what --tokenizer names")
-
-
-def _first_missing(path: Path) -> Path | None:
-    path = path.absolute()
-    if path.exists():
-        return None
-    while not path.parent.exists():
-        path = path.parent
-    return path
-
-
-def _remove_if_empty(made: Path, output: Path) -> None:
-    """Remove `made` (the topmost folder prepare created) where it holds only `output` and the lock."""
-    try:
-        (output / LOCK_FILE).unlink(missing_ok=True)
-        for folder in (output.absolute(), *output.absolute().parents):
-            folder.rmdir()  # OSError where something else is there: left as it is
-            if folder == made:
-                break
-    except OSError:
-        pass
 
 
 def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: str | None, vocab_size: int,

@@ -35,7 +35,15 @@ from ptbr.errors import (
     error_line,
     interrupted,
 )
-from ptbr.files import first_line, read_json, remove_leftovers, write_json, writing
+from ptbr.files import (
+    first_line,
+    first_missing,
+    read_json,
+    remove_empty_folders,
+    remove_leftovers,
+    write_json,
+    writing,
+)
 from ptbr.outputs import folder_refusal, input_refusal
 from ptbr.log import attach_run_log, detach, log, to_file_only
 from ptbr.memory import Architecture, estimate_run
@@ -137,7 +145,8 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
     held: dict = {}
 
     def open_on_main() -> str:
-        held["created"] = not Path(settings.output).exists()
+        held["made"] = first_missing(Path(settings.output))  # the topmost folder it creates
+        held["created"] = held["made"] is not None
         run_dir = create_run_dir(settings.output)
         held["lock"] = RunLock(run_dir).acquire()
         remove_leftovers(run_dir)  # writes cut short by a crash (we hold the lock)
@@ -181,6 +190,9 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
             with held_if_free(Path(settings.output)) as free:
                 if free:
                     _remove_if_only_its_log(Path(settings.output))
+        if held.get("made") is not None and (stopped_before_any_work or stopped_while_opening) \
+                and not Path(settings.output).exists():
+            remove_empty_folders(Path(settings.output).parent, held["made"])  # the parents it made on the way
 
 
 # what a run writes before its first step: its settings, and its metrics files without a row
@@ -197,7 +209,7 @@ def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -
         pass  # left as it is: the error line said what went wrong
 
 
-def remove_a_launch_that_never_started(run_dir: Path, code: int) -> None:
+def remove_a_launch_that_never_started(run_dir: Path, code: int, made: Path | None = None) -> None:
     """After a data-parallel launch that failed with `code`, in an --output it created: the
     directory, where it holds only the log, the lock, run_config.json and the workers' logs (the
     ranks stopped before the run trained), as a run in one process leaves none. Kept after a crash or a killed rank
@@ -208,6 +220,8 @@ def remove_a_launch_that_never_started(run_dir: Path, code: int) -> None:
     with held_if_free(run_dir) as free:
         if free:
             _remove_if_only_its_log(run_dir, also=_BEFORE_TRAINING | {WORKER_LOGS})
+    if made is not None and not run_dir.exists():
+        remove_empty_folders(run_dir.parent, made)  # the parents the launch made on the way
 
 
 @contextmanager

@@ -53,7 +53,9 @@ def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_
         (directory / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
 
     final = write_directory(checkpoint_path(run_dir, step), fill, f"the checkpoint of step {step}",
-                            fix="free space, or keep fewer checkpoints with --keep-last")
+                            fix=f"free space (older checkpoints in {checkpoints_dir(run_dir)} can go: a run resumes "
+                                "from its newest), or keep fewer with a lower --keep-last (they are removed after "
+                                "each save, so N holds N + 1 for a moment)")
     if keep_last > 0:
         for old in complete_checkpoints(run_dir, quiet=True)[:-keep_last]:
             # renamed first: a delete cut short leaves a leftover the next start removes, never a

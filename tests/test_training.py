@@ -447,3 +447,20 @@ def test_every_file_a_run_writes_is_readable_as_any_new_file_is(tmp_path):
     private = [f"{p.relative_to(tmp_path)}: {stat.S_IMODE(p.stat().st_mode):o}" for p in written
                if stat.S_IMODE(p.stat().st_mode) & usual != usual]
     assert not private
+
+
+def test_a_run_whose_peak_is_beyond_the_ram_is_refused_before_its_model_is_built(tmp_path, capsys, monkeypatch):
+    """On a CPU the kernel kills a run that runs out of memory: exit 137, no line, a dead-looking
+    run directory (a --batch-size 100000 predicted 92 GiB on a 23 GiB machine and started)."""
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=64 * 2**20))
+    args = ["train", "--model-size", "tiny", "--seq-len", "32", "--device", "cpu", "--max-steps", "1"]
+    assert main([*args, "--output", str(tmp_path / "run"), "--batch-size", "64"]) == 5
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: the memory model predicts a peak of ") and "GiB, more than the 0.1 GiB of RAM " \
+        "available: the kernel would kill the run (--batch-size 64); fix: run with --auto-fit" in line, line
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real)
+    assert main([*args, "--output", str(tmp_path / "fits"), "--batch-size", "2"]) == 0

@@ -238,6 +238,26 @@ def out_of_memory_is_an_error(backend) -> Iterator[None]:
                           "that fits; a resume continues from the last checkpoint where one was written") from exc
 
 
+def refuse_a_peak_beyond_ram(predicted: int, backend, settings) -> None:
+    """On a CPU (and in MLX's memory, the Mac's RAM) a run that runs out of memory is killed by the
+    kernel: no line, exit 137, a run directory that looks dead, and other programs on the machine
+    may go with it. A run in one process whose predicted peak is more than the RAM available now is
+    refused before its model is built (exit 5); --auto-fit picks a micro-batch that fits instead."""
+    target = "mlx" if backend.name == "mlx" else backend.device.split(":")[0]
+    if settings.auto_fit or target not in ("cpu", "mlx") or backend.world.size > 1:
+        return
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if predicted > available:
+        raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, more than the "
+                          f"{available / 2**30:.1f} GiB of RAM available: the kernel would kill the run",
+                          f"--batch-size {settings.batch_size}",
+                          "run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
+                          "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config "
+                          "that fits")
+
+
 def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:
     """Move what a previous run left (RUN_FILES, or just `only`) to OUTPUT/previous/TIMESTAMP/.
     Returns that folder, or None when there was nothing to move."""

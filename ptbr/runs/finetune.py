@@ -37,6 +37,7 @@ from ptbr.runs.common import (
     open_run,
     out_of_memory_is_an_error,
     predicted_peak_bytes,
+    refuse_a_peak_beyond_ram,
     refuse_auto_fit_in_parallel,
     start_state,
     warn_if_warmup_outlasts_the_run,
@@ -217,8 +218,11 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
             + (f" (as the run started; --eval-batches gives {default} now)" if planned != default else ""))
     else:
         log("no validation set: adapters/ will hold the adapter of the last step")
-    step = backend.finetune_step(adapted, settings)
     longest = max(len(e.ids) for e in train.examples) - 1  # tokens in a row of the worst micro-batch
+    peak = _predicted_peak(settings, backend, adapted, longest)
+    if peak is not None:
+        refuse_a_peak_beyond_ram(peak, backend, settings)
+    step = backend.finetune_step(adapted, settings)
     loss = backend.describe_loss(step, settings.batch_size * longest)
     if loss:
         log(loss)
@@ -234,7 +238,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
         "steps_per_epoch": source.steps_per_epoch,
         "target_modules": adapted.target_modules,
         "trainable_parameters": adapted.trainable_parameters, "total_parameters": adapted.total_parameters,
-        "predicted_peak_bytes": _predicted_peak(settings, backend, adapted, longest),
+        "predicted_peak_bytes": peak,
     })
 
     adapters = run_dir / "adapters"

@@ -32,6 +32,7 @@ from ptbr.runs.common import (
     open_run,
     out_of_memory_is_an_error,
     predicted_peak_bytes,
+    refuse_a_peak_beyond_ram,
     refuse_auto_fit_in_parallel,
     start_state,
     warn_if_warmup_outlasts_the_run,
@@ -92,6 +93,9 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
         settings = _auto_fit(settings, backend, dataset, preset)
         source = PretrainBatches(dataset, settings.batch_size, settings.grad_accum, settings.seq_len, settings.seed)
     pad_id = dataset.meta.get("pad_id") if dataset.meta else None
+    peak = predicted_peak_bytes(settings, Architecture.from_preset(preset, dataset.vocab_size), backend,
+                                settings.batch_size, settings.seq_len)
+    refuse_a_peak_beyond_ram(peak, backend, settings)
     step = backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id, settings)
     n_params = backend.parameter_count(step)
     log(f"model {preset.name}: {n_params:,} parameters, vocab {dataset.vocab_size}, seq_len {settings.seq_len}")
@@ -108,8 +112,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
         "data": str(data_dir), "tokenizer": str(dataset.tokenizer_path),
         "model": dataclasses.asdict(preset) | {"vocab_size": dataset.vocab_size, "parameters": n_params},
         "tokens_per_step": effective_batch(settings, world) * settings.seq_len,
-        "predicted_peak_bytes": predicted_peak_bytes(settings, Architecture.from_preset(preset, dataset.vocab_size),
-                                                     backend, settings.batch_size, settings.seq_len),
+        "predicted_peak_bytes": peak,
     })
 
     eval_batches = None

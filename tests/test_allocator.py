@@ -119,3 +119,39 @@ def test_a_cpu_backend_keeps_freed_memory_and_a_gpu_one_does_not(monkeypatch):
     monkeypatch.setattr(torch_backend.TorchBackend, "__init__", lambda self, placement, world=None: None)
     torch_backend.TorchBackend.create("cuda", "bf16", pretraining=True)
     assert calls == [1]
+
+
+TRIM = """
+import json, psutil, torch
+from ptbr.backends.torch import allocator
+allocator.keep_freed_memory()
+def rss():
+    return psutil.Process().memory_info().rss >> 20
+before = rss()
+held = [torch.ones(2**18) for _ in range(400)]  # 400 MiB in 1 MiB tensors: the heap's, never trimmed here
+del held
+kept = rss()
+allocator.give_back_freed_memory()
+print(json.dumps({"grew": kept - before, "after": rss() - before}))
+"""
+
+
+def test_what_a_checkpoint_load_freed_goes_back_to_the_kernel():
+    """A resumed CPU run held the checkpoint files' buffers for good (freed into a heap ptbr keeps
+    from trimming): 1,856 MiB against 1,467 uninterrupted for an 85m run. malloc_trim after the load
+    gives them back, and the torch backend calls it after every checkpoint load on a CPU."""
+    done = subprocess.run([sys.executable, "-c", TRIM], capture_output=True, text=True, check=True)
+    measured = json.loads(done.stdout)
+    assert measured["grew"] > 350 and measured["after"] < 50, measured
+
+
+def test_a_cpu_resume_gives_back_what_the_load_freed(tmp_path, monkeypatch):
+    from ptbr.cli import main
+
+    args = ["train", "--output", str(tmp_path / "run"), "--model-size", "tiny", "--seq-len", "32", "--device", "cpu",
+            "--save-every", "1"]
+    assert main([*args, "--max-steps", "1"]) == 0
+    calls = []
+    monkeypatch.setattr(allocator, "give_back_freed_memory", lambda: calls.append(1))
+    assert main([*args, "--max-steps", "2"]) == 0
+    assert calls == [1]

@@ -72,3 +72,17 @@ def keep_freed_memory() -> bool:
                     and bool(mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)))
     _DONE.append(done)
     return done
+
+
+def give_back_freed_memory() -> None:
+    """Return what the heap holds free to the kernel (glibc's malloc_trim), where ptbr stopped the
+    trimming: after loading a checkpoint, whose files were read into buffers that were copied into
+    the model and freed, a resumed run otherwise kept them for good (an 85m run at 2 x 32 held 1,856
+    MiB from its first resumed step, against 1,467 MiB uninterrupted: 126% of the prediction)."""
+    if not (_DONE and _DONE[0]):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        trim(0)

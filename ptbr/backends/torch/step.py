@@ -375,6 +375,10 @@ class TorchStep:
             # from the checkpoint's first one, offset by the rank, so that ranks still differ
             torch.set_rng_state(by_rank[0])
             torch.manual_seed(int(torch.randint(0, 2**62, ())) + self.world.rank)
+        if self.placement.device.type == "cpu":
+            from ptbr.backends.torch.allocator import give_back_freed_memory
+
+            give_back_freed_memory()  # the files' buffers, freed into a heap that ptbr keeps from trimming
         if "cuda" in rng and torch.cuda.is_available() and self.world.size == 1:
             torch.cuda.set_rng_state_all(rng["cuda"])
         cuda_by_rank = rng.get("cuda_by_rank")

@@ -189,6 +189,8 @@ class LoopSettings:
                 found.append(f"{name} must be a positive integer, got {value!r}")
         for name in ("save_every", "eval_every", "warmup_steps"):
             value = getattr(self, name)
+            if name == "warmup_steps" and value is None:  # left to its default, of a max_steps reported above
+                continue
             if not isinstance(value, int) or value < 0:
                 found.append(f"{name} must be an integer >= 0, got {value!r}")
         if not _finite(self.learning_rate) or self.learning_rate <= 0:
@@ -425,9 +427,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         mark = getattr(exc, "problem_mark", None)  # YAML's: where it stopped (JSON's message says it)
@@ -440,6 +442,38 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config file must hold a mapping of settings", str(path), "write key: value pairs")
     return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (json keeps the last silently)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"the key {key!r} is given twice")
+        found[key] = value
+    return found
+
+
+def _unique_key_loader():
+    """YAML's SafeLoader, refusing a key given twice in one mapping: YAML keeps the last silently,
+    and a config with `seq_len: 32` and, further down, `seq_len: 64` ran at 64."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
 
 
 def build_settings(cls: type, file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,

@@ -92,12 +92,18 @@ def test_a_config_file_that_cannot_be_read_says_where_and_why(tmp_path):
              "indented.yaml": ("model_size: tiny\nmax_steps: 5\n  seq_len: 64\n",
                                "cannot parse config file: mapping values are not allowed here at line 3, column 10"),
              "run.txt": ("batch_size: 2\n", "a config file is .json, .yaml or .yml, not .txt"),
-             "bad.json": ('{"batch_size": 2,}', "Expecting property name enclosed in double quotes: line 1 column 18")}
+             "bad.json": ('{"batch_size": 2,}', "Expecting property name enclosed in double quotes: line 1 column 18"),
+             # a key given twice: YAML and JSON keep the last silently (seq_len 64 ran)
+             "twice.yaml": ("seq_len: 32\nbatch_size: 2\nseq_len: 64\n",
+                            "cannot parse config file: the key 'seq_len' is given twice at line 3, column 1"),
+             "twice.json": ('{"seq_len": 32, "seq_len": 64}', "cannot parse config file: the key 'seq_len' is given twice"),
+             # max_steps left empty: said once, not also as a warmup of None the user never set
+             "empty.yaml": ("max_steps:\n", "max_steps must be a positive integer, got None")}
     for name, (text, said) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ConfigError, match=None) as info:
             parse_train(["--config", str(tmp_path / name)])
-        assert said in info.value.what, info.value.what
+        assert said in info.value.what and "warmup" not in info.value.what, info.value.what
     with pytest.raises(ConfigError) as info:
         parse_train(["--config", str(tmp_path)])
     assert info.value.what == f"config file is a directory, not a file: {tmp_path}"

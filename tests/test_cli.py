@@ -382,3 +382,15 @@ def test_a_ctrl_c_caught_inside_code_run_from_a_string_still_ends_with_130(tmp_p
                           env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}"))
     assert (done.returncode, done.stderr) == (
         130, "error: stopped by SIGINT (ptbr info); fix: run the same command again\n")
+
+
+def test_generate_on_a_pretraining_run_without_its_final_model_says_how_to_get_it(tmp_path, capsys):
+    """A stopped run (checkpoints, no final/ yet) was told to 'give a Hugging Face model directory'."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "run_config.json").write_text("{}")
+    assert main(["generate", "Oi", "--model", str(run)]) == 4
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: no config.json in the model directory ({run}); fix: this is a pretraining run's directory without "
+        f"its final model yet (final/ is written at its last step): run the same `ptbr train` command again to "
+        f"finish it, then give {run / 'final'}")

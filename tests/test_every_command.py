@@ -177,7 +177,8 @@ def test_train_prepare_and_info_on_broken_data(pretrain_inputs, tmp_path, capsys
     cases.append(Case(train + [str(tmp_path / "r4"), "--data", str(data), "--resume", str(data)], 4,
                       "not a checkpoint"))
     cases.append(Case(train + [str(tmp_path / "r5"), "--data", str(other), "--resume", str(checkpoint)], 2,
-                      "belongs to another run"))
+                      "; fix: rerun with the settings of the run it belongs to, or give --resume another checkpoint "
+                      "(or --resume never to start over)"))  # named: another --output would not help
     for case in cases:
         assert_refused(capsys, main(case.args), case.code, case.says, case.args)
 

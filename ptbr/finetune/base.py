@@ -54,6 +54,11 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
                 fix = (f"this is a fine-tuning run's directory: give its base and its adapter (--model "
                        f"{named or 'BASE'} --adapter {path / 'adapters'} for generate; --base and --adapter for "
                        "merge)")
+            if (path / "run_config.json").is_file() and not (path / "adapters").is_dir():
+                # a pretraining run stopped before its end: final/ comes with the last step
+                fix = (f"this is a pretraining run's directory without its final model yet (final/ is written at "
+                       f"its last step): run the same `ptbr train` command again to finish it, then give "
+                       f"{path / 'final'}")
             for inside in ("final", "merged"):  # a run's directory: its model is inside
                 if (path / inside / "config.json").is_file():
                     fix = f"this is a run's directory: give its model, {path / inside}"

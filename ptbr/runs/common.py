@@ -337,7 +337,7 @@ def _find_resume(run_dir: Path, settings, identity: dict) -> Resume:
         if state is None:
             raise ModelError(f"the checkpoint is incomplete or malformed: {why_incomplete(path)}",
                              str(path), "give another checkpoint, or --resume auto to pick the newest complete one")
-        _check_belongs(path, state, settings, identity)
+        _check_belongs(path, state, settings, identity, named=True)
         problem = corruption(path, state)
         if problem:
             raise ModelError(f"the checkpoint is corrupt: {problem}", str(path),
@@ -419,13 +419,17 @@ def optimizer_problems(recorded, settings) -> list[str]:
             and recorded[name] != getattr(settings, name)]
 
 
-def _check_belongs(path: Path, state: dict, settings, identity: dict) -> None:
+def _check_belongs(path: Path, state: dict, settings, identity: dict, named: bool = False) -> None:
     problems = identity_problems(state.get("run", {}).get("identity") if isinstance(state.get("run"), dict) else None,
                                  identity)
     if not problems and "scheduler" in state:
         problems = schedule_problems(Schedule.from_dict(state["scheduler"]), settings)
     if not problems:
         problems = optimizer_problems(state.get("optimizer"), settings)
+    if problems and named:  # --resume PATH: another --output would not change what PATH is
+        raise ConfigError(f"the checkpoint belongs to another run: {'; '.join(problems)}", str(path),
+                          "rerun with the settings of the run it belongs to, or give --resume another checkpoint "
+                          "(or --resume never to start over)")
     if problems:
         raise ConfigError(f"the checkpoint belongs to another run: {'; '.join(problems)}", str(path),
                           "rerun with the first run's settings, or start over with --resume never (the old run's "

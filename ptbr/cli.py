@@ -431,6 +431,12 @@ def _say(line: str) -> None:
     """The error line on stderr. Where stderr's reader has gone (`ptbr train 2>&1 | head`), the
     line goes nowhere and the command keeps its own exit code (130 after a stop signal, say), not
     141: a script that resumes on 130 must see 130."""
+    try:  # what stdout still buffers goes first: with both streams on one pipe, the line lands whole
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout's reader has gone: its buffer goes nowhere
+        _discard(sys.stdout)
+    except (OSError, ValueError):  # a closed stream
+        pass
     try:
         print(line, file=sys.stderr, flush=True)
     except BrokenPipeError:

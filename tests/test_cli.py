@@ -394,3 +394,16 @@ def test_generate_on_a_pretraining_run_without_its_final_model_says_how_to_get_i
         f"error: no config.json in the model directory ({run}); fix: this is a pretraining run's directory without "
         f"its final model yet (final/ is written at its last step): run the same `ptbr train` command again to "
         f"finish it, then give {run / 'final'}")
+
+
+def test_the_error_line_comes_after_what_stdout_still_buffered():
+    """With stdout and stderr on one pipe (`2>&1 | tee`), stdout's block buffer was written after
+    the error line, once cut mid-line: '...take one chunkerror: stopped by SIGTERM'."""
+    script = ("import sys\n"
+              "from ptbr.cli import _say\n"
+              "print('a line of output ' * 3)\n"
+              "_say('error: it failed (x); fix: y')\n")
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout as a user's pipe has it
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=60, env=buffered)
+    assert done.stdout == "a line of output " * 3 + "\nerror: it failed (x); fix: y\n"

@@ -265,11 +265,35 @@ def command() -> int:
     code = main()
     _forget_caught_interrupts()
     _keep_the_outcome(code)
+    _leave_native_threads(code)
     if code:
         from ptbr.commands import end_a_failed_rank
 
         end_a_failed_rank(code)
     return code
+
+
+def _leave_native_threads(code: int) -> None:
+    """A command stopped while a thread of ptbr's still runs native code (tokenizer training, in
+    Rust): the interpreter's teardown would end that thread as it next asked for the GIL, inside
+    Rust, and the process would abort (SIGABRT or SIGSEGV, now and then) after ptbr's own line. The
+    process ends here instead, its output flushed, with the command's code."""
+    import threading
+
+    from ptbr.data.tokenizer import NATIVE_THREAD_PREFIX
+
+    if any(t.is_alive() and t.name.startswith(NATIVE_THREAD_PREFIX) for t in threading.enumerate()):
+        _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _keep_the_outcome(code: int) -> None:
@@ -284,13 +308,7 @@ def _keep_the_outcome(code: int) -> None:
         return
 
     def leave(signum, frame) -> None:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        _exit_now(code)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, leave)

@@ -24,9 +24,21 @@ from typing import Any
 from ptbr.errors import OutputError
 
 # Prefixes of what a write in progress puts beside its target; a crash can leave them behind.
-LEFTOVER_PREFIXES = (".tmp-", ".old-")
-# what ptbr's writes name their temporary files and folders: PREFIX + what is written + "-" + PID
-_LEFTOVER = re.compile(r"\.(tmp|old)-.+-[0-9]+")
+# ptbr's own names for what it writes aside (tmp) or moves aside (old): `.tmp-NAME.ptbr-PID`, a
+# name no file of the user's has, so that remove_leftovers never takes one (a `.old-corpus-2023/`)
+_LEFTOVER = re.compile(r"\.(tmp|old)-(.+)\.ptbr-[0-9]+")
+
+
+def aside(path: Path, kind: str) -> Path:
+    """The hidden name beside `path` under which this process writes it first (kind "tmp") or
+    moves its previous version before removing it ("old")."""
+    return Path(path).with_name(f".{kind}-{Path(path).name}.ptbr-{os.getpid()}")
+
+
+def written_aside(name: str) -> str | None:
+    """NAME, where `name` is what ptbr writes aside for NAME (`.tmp-NAME.ptbr-PID`), else None."""
+    found = _LEFTOVER.fullmatch(name)
+    return found.group(2) if found is not None and found.group(1) == "tmp" else None
 
 OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # How libraries that hide the errno report the same thing: safetensors (Rust) keeps the OS text,
@@ -133,8 +145,7 @@ def write_directory(final: Path, fill: Callable[[Path], None], what: str, fix: s
     """Call fill(tmp) on an empty directory beside `final`, fsync it, then make it `final`.
     A failure at any point leaves the previous `final` in place."""
     final = Path(final)
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    tmp, old = aside(final, "tmp"), aside(final, "old")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with writing(what, final, fix):
@@ -161,7 +172,7 @@ def write_directory(final: Path, fill: Callable[[Path], None], what: str, fix: s
 def write_file(path: Path, fill: Callable[[Path], None], what: str, fix: str | None = None) -> Path:
     """Call fill(tmp) to write one file beside `path`, fsync it, then rename it over `path`."""
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp = aside(path, "tmp")
     try:
         with writing(what, path, fix):
             fill(tmp)
@@ -208,7 +219,7 @@ def append_lines(path: Path, lines: list[str], what: str) -> None:
 def first_missing(path: Path) -> Path | None:
     """The topmost folder of `path` that does not exist yet, which creating `path` makes (None
     where `path` exists)."""
-    path = Path(path).absolute()
+    path = Path(os.path.abspath(path))  # `..` taken as mkdir takes it
     if path.exists():
         return None
     while not path.parent.exists():
@@ -219,7 +230,7 @@ def first_missing(path: Path) -> Path | None:
 def remove_empty_folders(path: Path, up_to: Path) -> None:
     """Remove `path` and its parents up to `up_to` (a first_missing), each where it is empty: what a
     refused command made on the way to its output goes with it; anything else in them stays."""
-    path, up_to = Path(path).absolute(), Path(up_to).absolute()
+    path, up_to = Path(os.path.abspath(path)), Path(os.path.abspath(up_to))
     if path != up_to and up_to not in path.parents:  # not a folder it made: never touched
         return
     try:
@@ -233,7 +244,7 @@ def remove_empty_folders(path: Path, up_to: Path) -> None:
 
 def remove_leftovers(folder: Path) -> None:
     """Delete what writes cut short by a crash left in `folder` (call it holding its lock): only
-    ptbr's own, `.tmp-NAME-PID` and `.old-NAME-PID`; a user's `.tmp-notes.txt` or `.old-photos/`
+    ptbr's own (`aside`: `.tmp-NAME.ptbr-PID`, `.old-NAME.ptbr-PID`); a user's `.tmp-notes.txt` or `.old-photos/`
     in the same folder stays."""
     if not folder.is_dir():
         return

@@ -32,6 +32,9 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:
             raise gone from None
+        except OSError as exc:  # no permission, a read-only file system
+            raise OutputError(f"cannot write in the output directory: {exc.strerror or exc}", str(self.path.parent),
+                              "choose a path you can write to with --output") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from ptbr.errors import ConfigError
-from ptbr.files import LEFTOVER_PREFIXES
+from ptbr.files import written_aside
 from ptbr.lock import LOCK_FILE
 from ptbr.train.checkpoint import checkpoints_dir, complete_checkpoints, read_state
 from ptbr.train.loop import MAX_BAD_STEPS_IN_A_ROW
@@ -239,12 +239,12 @@ def _in_progress(run_dir: Path) -> tuple[str | None, float | None]:
         if not folder.is_dir():
             continue
         for path in folder.iterdir():
-            if not path.name.startswith(LEFTOVER_PREFIXES[0]) or not path.is_dir():
+            name = written_aside(path.name)
+            if name is None or not path.is_dir():
                 continue
             times = [t for t in [_mtime(path)] + [_mtime(p) for p in path.iterdir()] if t]
             if times and (newest is None or max(times) > newest):
-                newest = max(times)
-                what = path.name[len(LEFTOVER_PREFIXES[0]):].rsplit("-", 1)[0]
+                newest, what = max(times), name
     return what, newest
 
 

@@ -351,6 +351,10 @@ def test_a_tokenizer_that_adds_an_eos_puts_none_between_prompt_and_completion(tm
     assert report.examples[0].ids.tolist() == plain.examples[0].ids.tolist()
     assert report.examples[0].ids.tolist().count(adds.eos_token_id) == 1  # the completion's, at the end
     assert encode_prompt(adds, "Qual?", "prompt_completion") == encode_prompt(tokenizer, "Qual?", "prompt_completion")
+    from ptbr.commands.generate import prompt_ids
+
+    given = prompt_ids(adds, "Qual?", chat=False)  # what generate gives the model: as training encoded it
+    assert given == report.examples[0].ids.tolist()[:len(given)] and adds.eos_token_id not in given
     ended = inspect_jsonl(write_jsonl(tmp_path / "e.jsonl", [{"prompt": f"Qual? {eos}", "completion": " Sim."}]),
                           adds)  # one the user wrote stays (and is warned of)
     assert ended.examples[0].ids.tolist().count(adds.eos_token_id) == 2

@@ -112,7 +112,8 @@ def test_prepare_never_replaces_a_models_or_a_tokenizers_files(tmp_path, corpus_
                           (tokenizer, ("tokenizer.json",)), (run / "final", ("config.json", "tokenizer.json"))):
         folder.mkdir(parents=True)
         for name in files:
-            (folder / name).write_text("{}")
+            (folder / name).write_text(json.dumps({"config.json": {"model_type": "llama"},
+                                                   "adapter_config.json": {"peft_type": "LORA"}}.get(name, {})))
     (run / "run_config.json").write_text("{}")
     (run / "plots").mkdir()
     expected = {
@@ -131,20 +132,29 @@ def test_prepare_never_replaces_a_models_or_a_tokenizers_files(tmp_path, corpus_
         assert line.startswith(f"error: {why} ({output}); {fix}"), line
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert not (run / "plots" / "new").exists() and not list(run.rglob(".ptbr.lock"))
+    # a config.json that is no model's (the user's --config file kept beside the data) is no refusal
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"max_steps": 2}')
+    assert main(["prepare", "--input", str(corpus_dir), "--output", str(mine), "--vocab-size", "400"]) == 0
+    assert (mine / "config.json").read_text() == '{"max_steps": 2}' and (mine / "train.bin").is_file()
 
 
 def test_prepare_keeps_a_users_dot_files_and_leaves_no_lock(tmp_path, corpus_dir):
-    """Only ptbr's own leftovers (.tmp-NAME-PID, .old-NAME-PID) are removed from an --output that
+    """Only ptbr's own leftovers (.tmp-NAME.ptbr-PID, .old-NAME.ptbr-PID) are removed from an --output that
     already exists: a user's .tmp-notes.txt and .old-photos/ went with them."""
     out = tmp_path / "mine"
     (out / ".old-photos").mkdir(parents=True)
     (out / ".old-photos" / "a.jpg").write_text("p")
     (out / ".tmp-notes.txt").write_text("precious")
-    (out / ".tmp-prepare-999999").mkdir()  # a prepare cut short
-    (out / ".old-meta.json-12").write_text("{}")
+    (out / ".tmp-prepare.ptbr-999999").mkdir()  # a prepare cut short
+    (out / ".old-meta.json.ptbr-12").write_text("{}")
+    (out / ".old-corpus-2023").mkdir()  # the user's, though it looks like an older ptbr's name
+    (out / ".tmp-draft-1").write_text("mine")
     prepare([str(corpus_dir)], out, vocab_size=400, val_fraction=0.1, show_progress=False)
-    assert sorted(p.name for p in out.iterdir()) == [".old-photos", ".tmp-notes.txt", "meta.json", "tokenizer.json",
-                                                      "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [".old-corpus-2023", ".old-photos", ".tmp-draft-1",
+                                                      ".tmp-notes.txt", "meta.json", "tokenizer.json", "train.bin",
+                                                      "val.bin"]
     assert (out / ".tmp-notes.txt").read_text() == "precious"
 
 
@@ -468,7 +478,7 @@ def test_tokenizer_training_is_stopped_at_once_by_ctrl_c():
 
     from ptbr.data.tokenizer import _interruptible
 
-    seen, release = {}, threading.Event()
+    seen, release, stop = {}, threading.Event(), threading.Event()
 
     def work():  # stands for Rust's merge loop: blind to signals, in a thread that is not the main one
         seen["main"] = threading.current_thread() is threading.main_thread()
@@ -477,12 +487,65 @@ def test_tokenizer_training_is_stopped_at_once_by_ctrl_c():
     threading.Timer(0.3, _thread.interrupt_main).start()  # a SIGINT, as Ctrl-C delivers it
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        _interruptible(work)
+        _interruptible(work, stop)
     assert time.monotonic() - started < 5 and seen == {"main": False}
+    assert stop.is_set()  # the reading of texts ends at its next one
     release.set()
 
     def fails():
         raise DataError("bad text", "corpus.txt", "fix it")
 
     with pytest.raises(DataError, match="bad text"):  # an error of the training (a bad file) is the caller's
-        _interruptible(fails)
+        _interruptible(fails, threading.Event())
+
+
+def test_ctrl_c_during_a_real_tokenizer_training_is_exit_130_at_once(tmp_path):
+    """The real thing: SIGINT while `ptbr prepare` trains its tokenizer on a 24 MB corpus ends it
+    within seconds with exit 130 and its line, never by SIGABRT from the training thread that the
+    interpreter's teardown would end inside Rust."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    words = [f"palavra{i}ção" for i in range(20000)]
+    rng = random.Random(0)
+    corpus = tmp_path / "big.txt"
+    with open(corpus, "w", encoding="utf-8") as f:
+        for _ in range(40000):
+            f.write(" ".join(rng.choices(words, k=50)) + "\n\n")
+    process = subprocess.Popen([sys.executable, "-m", "ptbr", "prepare", "--input", str(corpus), "--output",
+                                str(tmp_path / "out"), "--vocab-size", "8000"], stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        if line.startswith("training a byte-level BPE tokenizer"):
+            break
+    time.sleep(0.5)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    err = process.stderr.read()
+    process.wait(timeout=60)
+    assert process.returncode == 130, err[-2000:]
+    assert time.monotonic() - sent < 5 and err.strip().splitlines()[-1].startswith(
+        "error: stopped by SIGINT (ptbr prepare)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_prepare_cannot_write_in_is_exit_6(tmp_path, corpus_dir, capsys, monkeypatch):
+    """The lock is prepare's first write there: a PermissionError escaped it as a crash (exit 1)."""
+    import ptbr.lock
+
+    real = os.open
+
+    def refused(path, flags, *args):
+        if str(path).endswith(".ptbr.lock"):
+            raise PermissionError(13, "Permission denied")
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(ptbr.lock.os, "open", refused)
+    out = tmp_path / "ro"
+    out.mkdir()
+    assert main(["prepare", "--input", str(corpus_dir), "--output", str(out), "--vocab-size", "400"]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: cannot write in the output directory: Permission denied ({out}); fix: choose a path you can write to "
+        "with --output")

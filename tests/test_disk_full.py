@@ -174,6 +174,15 @@ def test_an_interrupted_swap_is_refused_as_incomplete(tmp_path, corpus_dir):
     (data / "meta.json").unlink()
     run = ptbr("train", "--data", str(data), "--output", str(tmp_path / "run"), *TINY, "--max-steps", "1")
     assert run.returncode == 3 and "did not finish" in run.stderr.splitlines()[-1]
+    # a first prepare cut right after moving tokenizer.json in: its marker and that file only; the
+    # same prepare again (what the message says) completes it, not refused as a tokenizer's folder
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / INCOMPLETE_MARKER).write_text("")
+    (cut / "tokenizer.json").write_bytes((data / "tokenizer.json").read_bytes())
+    again = ptbr("prepare", "--input", str(corpus_dir), "--output", str(cut), "--vocab-size", "400")
+    assert again.returncode == 0, again.stderr
+    assert (cut / "meta.json").is_file() and not (cut / INCOMPLETE_MARKER).exists()
 
 
 def test_preflight_report(tmp_path):

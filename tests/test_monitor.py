@@ -419,3 +419,18 @@ def test_sizes_switch_from_mib_to_gib_at_one_gib():
     assert format_bytes(1024**3 - 1) == "1024.0 MiB"
     assert format_bytes(1024**3) == "1.00 GiB"
     assert format_bytes(1_082_126_336) == "1.01 GiB"
+
+
+def test_a_checkpoint_being_written_is_named_by_what_ptbr_writes_aside(tmp_path):
+    """ptbr writes a checkpoint (or final/, adapters/) under `.tmp-NAME.ptbr-PID` first: monitor
+    names it; a hidden folder of the user's that merely starts with .tmp- is not a write."""
+    from ptbr.files import aside
+    from ptbr.monitor import _in_progress
+
+    (tmp_path / "checkpoints" / ".tmp-notes-1").mkdir(parents=True)
+    assert _in_progress(tmp_path) == (None, None)
+    writing = aside(tmp_path / "checkpoints" / "step_000004", "tmp")
+    writing.mkdir()
+    (writing / "model.safetensors").write_bytes(b"x")
+    what, when = _in_progress(tmp_path)
+    assert what == "step_000004" and when == pytest.approx((writing / "model.safetensors").stat().st_mtime)

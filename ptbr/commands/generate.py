@@ -89,12 +89,11 @@ def load_for_generation(model_dir: str, adapter: str | None, device, download: b
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     """The prompt as token ids: a user message in the chat template exactly as fine-tuning rendered
-    its examples, or plain text to continue."""
-    if chat:
-        from ptbr.finetune.data import encode_prompt
+    its examples, or plain text to continue, as fine-tuning encoded a prompt (what the tokenizer
+    puts before a text, not the EOS one set to add it would put after)."""
+    from ptbr.finetune.data import encode_prompt
 
-        return list(encode_prompt(tokenizer, prompt, "messages"))
-    return list(tokenizer(prompt)["input_ids"])
+    return list(encode_prompt(tokenizer, prompt, "messages" if chat else None))
 
 
 def new_tokens_that_fit(max_positions: int | None, prompt_tokens: int, max_new_tokens: int) -> int:

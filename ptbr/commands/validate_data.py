@@ -67,7 +67,7 @@ def main(args) -> int:
     if args.json:
         if note:  # stdout holds the JSON only
             print(note, file=sys.stderr)
-        print(json.dumps([{"file": str(r.path), "format": r.schema, "examples": len(r.records),
+        print(json.dumps([{"file": str(r.path), "format": r.schema, "examples": len(r.records) - r.rejected,
                            "usable": len(r.examples) if tokenizer else None,
                            "longest_tokens": r.longest if tokenizer else None, "too_long": r.too_long,
                            "problems": r.problems, "warnings": r.warnings} for r in reports], indent=2))

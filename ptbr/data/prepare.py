@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,9 +13,10 @@ from ptbr.config import DEFAULT_VOCAB_SIZE
 from ptbr.data import corpus
 from ptbr.data.corpus import find_corpus_files, iter_documents, iter_texts
 from ptbr.data.tokenizer import PAD_TOKEN, eos_id, load_tokenizer, train_tokenizer
-from ptbr.data.tokens import INCOMPLETE_MARKER
+from ptbr.data.tokens import INCOMPLETE_MARKER, dataset_files_in
 from ptbr.errors import ConfigError, DataError, OutputError, collect
 from ptbr.files import (
+    aside,
     file_sha256,
     first_missing,
     fsync,
@@ -79,7 +79,7 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
     except OSError as exc:
         raise OutputError(f"cannot create the output directory: {exc.strerror or exc}", str(output),
                           "choose a path you can write to with --output") from exc
-    stage = output / f".tmp-prepare-{os.getpid()}"
+    stage = aside(output / "prepare", "tmp")
     lock = None
     try:
         lock = RunLock(output).acquire()  # a second prepare into it at once is refused
@@ -119,14 +119,25 @@ def _refuse_what_is_not_a_datasets(output: Path) -> None:
     if outer is not None:
         raise OutputError(f"the output directory is inside the training run {outer}, among its files", str(output),
                           fix)
-    model = model_files_in(output)
+    model = model_files_in(output) + [name for name in ("config.json", "adapter_config.json")
+                                      if _model_config(output / name)]
     if model:
         raise OutputError(f"the output directory holds a model ({model[0]}), not a dataset: its tokenizer.json would "
                           "be replaced", str(output), fix)
     if (output / "tokenizer.json").exists() and not (output / "meta.json").exists() \
-            and not (output / "train.bin").exists():
+            and not dataset_files_in(output):  # (a first prepare cut mid-swap left its marker: a dataset)
         raise OutputError("the output directory holds a tokenizer.json of its own, not a dataset's: it would be "
                           "replaced", str(output), f"{fix}; a tokenizer to reuse is what --tokenizer names")
+
+
+def _model_config(path: Path) -> bool:
+    """A Hugging Face model's or adapter's config (model_type, architectures, peft_type), not any
+    config.json (a user's --config file kept there)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and any(key in data for key in ("model_type", "architectures", "peft_type"))
 
 
 def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: str | None, vocab_size: int,

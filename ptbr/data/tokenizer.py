@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ptbr.errors import DataError
@@ -38,15 +38,31 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    _interruptible(lambda: tokenizer.train_from_iterator(texts, trainer=trainer))
+    import threading
+
+    stop = threading.Event()
+
+    def feed() -> Iterator[str]:
+        for text in texts:
+            if stop.is_set():  # stopped: the reading ends here, and the thread with it soon after
+                return
+            yield text
+
+    _interruptible(lambda: tokenizer.train_from_iterator(feed(), trainer=trainer), stop)
     return tokenizer
 
 
-def _interruptible(work) -> None:
+# threads running native code that cannot be joined at will: the CLI ends the process without the
+# interpreter's teardown while one lives (ptbr/cli.py command), where Python would end the thread
+# inside Rust and abort (SIGABRT, "exception not rethrown")
+NATIVE_THREAD_PREFIX = "ptbr-native-"
+
+
+def _interruptible(work, stop) -> None:
     """Run `work` in a thread of its own while this one waits: tokenizers' training computes its
     merges in Rust, which never returns to Python until done, so a Ctrl-C or SIGTERM (raised in
     the main thread) waited for the whole training, minutes on a large corpus. The wait here is
-    interrupted at once; the thread (a daemon, reading and merging only) ends with the process."""
+    interrupted at once and sets `stop` (the reading of texts ends); the thread is a daemon."""
     import threading
 
     outcome: dict = {}
@@ -57,10 +73,14 @@ def _interruptible(work) -> None:
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             outcome["error"] = exc
 
-    thread = threading.Thread(target=run, name="ptbr-tokenizer-training", daemon=True)
+    thread = threading.Thread(target=run, name=f"{NATIVE_THREAD_PREFIX}tokenizer-training", daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(0.1)
+    try:
+        while thread.is_alive():
+            thread.join(0.1)
+    except BaseException:
+        stop.set()
+        raise
     if "error" in outcome:
         raise outcome["error"]
 

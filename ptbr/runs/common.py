@@ -36,6 +36,7 @@ from ptbr.errors import (
     interrupted,
 )
 from ptbr.files import (
+    aside,
     first_line,
     first_missing,
     read_json,
@@ -76,7 +77,7 @@ def create_run_dir(output: str) -> Path:
         raise OutputError(refused[0], str(run_dir), refused[1])
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".tmp-write-test-{os.getpid()}"  # its own name: two runs starting at once
+        probe = aside(run_dir / "write-test", "tmp")  # its own name: two runs starting at once
         probe.write_text("ok")
         probe.unlink(missing_ok=True)  # a run holding the lock may have cleared it as a leftover
     except OSError as exc:
@@ -196,7 +197,8 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
 
 
 # what a run writes before its first step: its settings, and its metrics files without a row
-_BEFORE_TRAINING = frozenset({"run_config.json", "metrics.jsonl", "metrics.csv"})
+# (and --tensorboard's folder)
+_BEFORE_TRAINING = frozenset({"run_config.json", "metrics.jsonl", "metrics.csv", "tensorboard"})
 
 
 def _remove_if_only_its_log(run_dir: Path, also: frozenset[str] = frozenset()) -> None:

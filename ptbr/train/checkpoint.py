@@ -10,12 +10,11 @@ is passed over with a message and the previous checkpoint is used.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 
-from ptbr.files import file_sha256, write_directory
+from ptbr.files import aside, file_sha256, write_directory
 from ptbr.log import log
 
 STATE_FILE = "trainer_state.json"
@@ -60,7 +59,7 @@ def save_checkpoint(run_dir: Path, step: int, training_step, record: dict, keep_
         for old in complete_checkpoints(run_dir, quiet=True)[:-keep_last]:
             # renamed first: a delete cut short leaves a leftover the next start removes, never a
             # half-deleted step_N that every later run warns about
-            doomed = old.with_name(f".old-{old.name}-{os.getpid()}")
+            doomed = aside(old, "old")
             try:
                 old.rename(doomed)
             except OSError:

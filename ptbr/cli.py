@@ -287,11 +287,11 @@ def _leave_native_threads(code: int) -> None:
 
 
 def _exit_now(code: int) -> None:
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
+    """End the process now with `code`, its logs and standard streams flushed first."""
+    for flush in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
         try:
-            stream.flush()
-        except (OSError, ValueError):
+            flush()
+        except Exception:  # noqa: BLE001 - a reader gone, a closed stream, a flush re-entered: exiting all the same
             pass
     os._exit(code)
 

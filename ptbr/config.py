@@ -465,6 +465,8 @@ def _unique_key_loader():
     def mapping(loader, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged by SafeLoader itself
+                continue
             key = loader.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",

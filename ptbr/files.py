@@ -27,6 +27,11 @@ from ptbr.errors import OutputError
 # ptbr's own names for what it writes aside (tmp) or moves aside (old): `.tmp-NAME.ptbr-PID`, a
 # name no file of the user's has, so that remove_leftovers never takes one (a `.old-corpus-2023/`)
 _LEFTOVER = re.compile(r"\.(tmp|old)-(.+)\.ptbr-[0-9]+")
+# what ptbr before 2026-11-27 wrote aside, `.tmp-NAME-PID`: only for the names it wrote (a crash's
+# partial checkpoint of gigabytes would otherwise stay for good)
+_OLDER_LEFTOVER = re.compile(r"\.(tmp|old)-(step_[0-9]+|final|adapters|merged|prepare|write-test|run_config\.json|"
+                             r"training_summary\.json|metrics\.jsonl|metrics\.csv|report\.md|plots|meta\.json|"
+                             r"tokenizer\.json|train\.bin|val\.bin)-[0-9]+")
 
 
 def aside(path: Path, kind: str) -> Path:
@@ -249,7 +254,7 @@ def remove_leftovers(folder: Path) -> None:
     if not folder.is_dir():
         return
     for leftover in folder.iterdir():
-        if not _LEFTOVER.fullmatch(leftover.name):
+        if not (_LEFTOVER.fullmatch(leftover.name) or _OLDER_LEFTOVER.fullmatch(leftover.name)):
             continue
         if leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)

@@ -13,8 +13,8 @@ OWN_OUTPUT_FIX = "give the run a directory of its own with --output (e.g. runs/N
 # what only a run directory holds at its top (a folder named checkpoints/ is anyone's)
 RUN_FILES = ("run_config.json", "training_summary.json")
 # What makes a directory a model's (weights or an adapter's), never found at the top of a run's
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors",
-               "adapters.safetensors")
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+               "adapter_model.safetensors", "adapters.safetensors")
 
 
 def input_refusal(settings) -> tuple[str, str] | None:

@@ -394,6 +394,14 @@ def test_generate_on_a_pretraining_run_without_its_final_model_says_how_to_get_i
         f"error: no config.json in the model directory ({run}); fix: this is a pretraining run's directory without "
         f"its final model yet (final/ is written at its last step): run the same `ptbr train` command again to "
         f"finish it, then give {run / 'final'}")
+    tuned = tmp_path / "tuned"  # a fine-tuning run without validation writes adapters/ at its end
+    (tuned / "checkpoints").mkdir(parents=True)
+    (tuned / "run_config.json").write_text('{"command": "finetune"}')
+    assert main(["generate", "Oi", "--model", str(tuned)]) == 4
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "fix: this is a fine-tuning run's directory without its adapter yet (adapters/ is written at its last step "
+        "when it has no validation set): run the same `ptbr finetune` command again to finish it, then give --model "
+        f"BASE --adapter {tuned / 'adapters'}")
 
 
 def test_the_error_line_comes_after_what_stdout_still_buffered():

@@ -107,6 +107,11 @@ def test_a_config_file_that_cannot_be_read_says_where_and_why(tmp_path):
     with pytest.raises(ConfigError) as info:
         parse_train(["--config", str(tmp_path)])
     assert info.value.what == f"config file is a directory, not a file: {tmp_path}"
+    # YAML's merge key is no key given twice: merged as yaml.safe_load merges it
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("<<: {seq_len: 32, batch_size: 2}\nseq_len: 64\n")
+    settings = parse_train(["--config", str(merged)])
+    assert (settings.seq_len, settings.batch_size) == (64, 2)
 
 
 @pytest.mark.parametrize("name,target", [("85m", 85e6), ("400m", 400e6), ("800m", 800e6)])

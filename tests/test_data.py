@@ -151,6 +151,7 @@ def test_prepare_keeps_a_users_dot_files_and_leaves_no_lock(tmp_path, corpus_dir
     (out / ".old-meta.json.ptbr-12").write_text("{}")
     (out / ".old-corpus-2023").mkdir()  # the user's, though it looks like an older ptbr's name
     (out / ".tmp-draft-1").write_text("mine")
+    (out / ".tmp-prepare-4242").mkdir()  # an older ptbr's, of a name it wrote: cleared too
     prepare([str(corpus_dir)], out, vocab_size=400, val_fraction=0.1, show_progress=False)
     assert sorted(p.name for p in out.iterdir()) == [".old-corpus-2023", ".old-photos", ".tmp-draft-1",
                                                       ".tmp-notes.txt", "meta.json", "tokenizer.json", "train.bin",
@@ -549,3 +550,14 @@ def test_an_output_prepare_cannot_write_in_is_exit_6(tmp_path, corpus_dir, capsy
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: cannot write in the output directory: Permission denied ({out}); fix: choose a path you can write to "
         "with --output")
+
+
+def test_a_folder_of_sharded_bin_weights_is_a_model_s_not_a_run_s(tmp_path):
+    from ptbr.outputs import folder_refusal
+
+    (tmp_path / "pytorch_model-00001-of-00002.bin").write_bytes(b"")
+    (tmp_path / "pytorch_model.bin.index.json").write_text("{}")
+    assert folder_refusal(tmp_path)[0] == "the output directory holds a model (pytorch_model.bin.index.json), not a run"
+    (tmp_path / "pytorch_model.bin.index.json").unlink()
+    (tmp_path / "config.json").write_text('{"max_steps": 2}')  # a user's --config file kept there: a run's folder
+    assert folder_refusal(tmp_path) is None

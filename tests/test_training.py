@@ -454,13 +454,14 @@ def test_a_run_whose_peak_is_beyond_the_ram_is_refused_before_its_model_is_built
     run directory (a --batch-size 100000 predicted 92 GiB on a 23 GiB machine and started)."""
     import psutil
 
-    real = psutil.virtual_memory()
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=64 * 2**20))
+    real, swap = psutil.virtual_memory(), psutil.swap_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=2**30))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: swap._replace(free=0))
     args = ["train", "--model-size", "tiny", "--seq-len", "32", "--device", "cpu", "--max-steps", "1"]
-    assert main([*args, "--output", str(tmp_path / "run"), "--batch-size", "64"]) == 5
+    assert main([*args, "--output", str(tmp_path / "run"), "--batch-size", "4096"]) == 5
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: the memory model predicts a peak of ") and "GiB, more than the 0.1 GiB of RAM " \
-        "available: the kernel would kill the run (--batch-size 64); fix: run with --auto-fit" in line, line
+    assert line.startswith("error: the memory model predicts a peak of ") and "GiB more than this process holds, " \
+        "and 1.0 GiB is free (RAM and swap): the kernel would kill the run (--batch-size 4096); fix: run with " \
+        "--auto-fit" in line, line
     assert not (tmp_path / "run").exists()
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: real)
     assert main([*args, "--output", str(tmp_path / "fits"), "--batch-size", "2"]) == 0

@@ -55,9 +55,13 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
                        f"{named or 'BASE'} --adapter {path / 'adapters'} for generate; --base and --adapter for "
                        "merge)")
             if (path / "run_config.json").is_file() and not (path / "adapters").is_dir():
-                # a pretraining run stopped before its end: final/ comes with the last step
-                fix = (f"this is a pretraining run's directory without its final model yet (final/ is written at "
-                       f"its last step): run the same `ptbr train` command again to finish it, then give "
+                # a run stopped before its end: final/ (adapters/ without validation) comes at the last step
+                command = _run_command(path / "run_config.json")
+                fix = (f"this is a fine-tuning run's directory without its adapter yet (adapters/ is written at "
+                       f"its last step when it has no validation set): run the same `ptbr finetune` command again "
+                       f"to finish it, then give --model BASE --adapter {path / 'adapters'}" if command == "finetune"
+                       else f"this is a pretraining run's directory without its final model yet (final/ is written "
+                       f"at its last step): run the same `ptbr train` command again to finish it, then give "
                        f"{path / 'final'}")
             for inside in ("final", "merged"):  # a run's directory: its model is inside
                 if (path / inside / "config.json").is_file():
@@ -77,6 +81,14 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
     if ORG_AND_NAME.match(base):
         fix += f", or add --download to fetch {base} from the Hugging Face Hub"
     raise ModelError(f"{what} directory not found", base, fix)
+
+
+def _run_command(run_config: Path) -> str | None:
+    try:
+        recorded = json.loads(run_config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded.get("command") if isinstance(recorded, dict) else None
 
 
 def has_weights(directory: Path) -> bool:

@@ -241,20 +241,22 @@ def out_of_memory_is_an_error(backend) -> Iterator[None]:
 
 
 def refuse_a_peak_beyond_ram(predicted: int, backend, settings) -> None:
-    """On a CPU (and in MLX's memory, the Mac's RAM) a run that runs out of memory is killed by the
-    kernel: no line, exit 137, a run directory that looks dead, and other programs on the machine
-    may go with it. A run in one process whose predicted peak is more than the RAM available now is
-    refused before its model is built (exit 5); --auto-fit picks a micro-batch that fits instead."""
-    target = "mlx" if backend.name == "mlx" else backend.device.split(":")[0]
-    if settings.auto_fit or target not in ("cpu", "mlx") or backend.world.size > 1:
+    """On a CPU a run that runs out of memory is killed by the kernel: no line, exit 137, a run
+    directory that looks dead, and other programs on the machine may go with it. A torch run in one
+    process on a CPU whose predicted peak (the runtime and the weights included) needs more than
+    this process holds now plus the memory still free (RAM available, and free swap) is refused,
+    exit 5; --auto-fit picks a micro-batch that fits instead. (MLX's unified memory on a Mac is not
+    judged by these numbers: macOS compresses and purges, and psutil's "available" says little.)"""
+    if settings.auto_fit or backend.name == "mlx" or backend.device.split(":")[0] != "cpu" or backend.world.size > 1:
         return
     import psutil
 
-    available = psutil.virtual_memory().available
-    if predicted > available:
-        raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, more than the "
-                          f"{available / 2**30:.1f} GiB of RAM available: the kernel would kill the run",
-                          f"--batch-size {settings.batch_size}",
+    held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
+    free = psutil.virtual_memory().available + psutil.swap_memory().free
+    if predicted - held > free:
+        raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {(predicted - held) / 2**30:.1f} "
+                          f"GiB more than this process holds, and {free / 2**30:.1f} GiB is free (RAM and swap): "
+                          "the kernel would kill the run", f"--batch-size {settings.batch_size}",
                           "run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
                           "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config "
                           "that fits")

@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 def command() -> int:
     """What the `ptbr` command and `python -m ptbr` run: main() on the command line, after which a
     failed rank of a data-parallel run ends at once with its code (ptbr/backends/torch/distributed.py
-    exit_a_failed_rank). main() itself always returns, for callers from Python."""
+    exit_a_failed_rank). main() itself always returns, for callers from Python; command() is the
+    process's entry point, and leaves SIGINT/SIGTERM ending the process at once (_keep_the_outcome)."""
     code = main()
     _forget_caught_interrupts()
     _keep_the_outcome(code)

@@ -289,7 +289,8 @@ def test_torch_s_attention_determinism_notice_is_hidden_unless_debugging(debug):
                       "something a run should show"] if debug else ["something a run should show"])
 
 
-def test_a_failed_rank_of_several_ends_at_once_with_its_code_and_its_logs_flushed(tmp_path, monkeypatch, capsys):
+def test_a_failed_rank_of_several_ends_at_once_with_its_code_and_its_logs_flushed(tmp_path, monkeypatch, capsys,
+                                                                                   request):
     """A failing rank keeps its process group open (another rank may wait in a collective for it), and
     gloo's threads could then abort the interpreter at exit (SIGABRT: the launcher saw -6 and the run
     ended with 1, not the rank's code). The `ptbr` command (`python -m ptbr` too) ends such a rank with
@@ -312,6 +313,10 @@ def test_a_failed_rank_of_several_ends_at_once_with_its_code_and_its_logs_flushe
 
     monkeypatch.setattr(logging, "shutdown", lambda *a: calls.append(("logs flushed",)))
     monkeypatch.setattr(os, "_exit", exit_now)
+    import signal  # command() is the process's entry point: it leaves SIGINT/SIGTERM ending the process
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # this one's again after
+    request.addfinalizer(lambda: [signal.signal(sig, handler) for sig, handler in handlers.items()])
     args = ["train", "--output", str(tmp_path / "run"), "--data", str(tmp_path / "nope"), "--device", "cpu"]
     monkeypatch.setattr(sys, "argv", ["ptbr", *args])
     assert command() == 3 and calls == []  # no group

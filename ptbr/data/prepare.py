@@ -80,7 +80,7 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
         raise OutputError(f"cannot create the output directory: {exc.strerror or exc}", str(output),
                           "choose a path you can write to with --output") from exc
     stage = aside(output / "prepare", "tmp")
-    lock = None
+    lock, finished = None, False
     try:
         lock = RunLock(output).acquire()  # a second prepare into it at once is refused
         remove_leftovers(output)
@@ -90,17 +90,14 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
             stage.mkdir()
             meta = _write_dataset(files, stage, tokenizer, tokenizer_path, vocab_size, val_fraction, show_progress)
             _swap_in(stage, output)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        if made is not None and lock is not None:  # a failed or stopped first prepare leaves no folder behind
-            (output / LOCK_FILE).unlink(missing_ok=True)
-            remove_empty_folders(output, made)
-        raise
+        finished = True
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         if lock is not None:  # a dataset keeps no lock file (one that waits for it is told it went)
             (output / LOCK_FILE).unlink(missing_ok=True)
             lock.release()
+            if not finished and made is not None:  # a failed or stopped first prepare leaves no folder behind
+                remove_empty_folders(output, made)
     _log(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({meta['dtype']}, vocab "
          f"{meta['vocab_size']:,}) to {output}")
     return meta

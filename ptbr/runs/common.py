@@ -72,9 +72,7 @@ PREVIOUS = "previous"
 
 def create_run_dir(output: str) -> Path:
     run_dir = Path(output)
-    refused = folder_refusal(run_dir)
-    if refused:
-        raise OutputError(refused[0], str(run_dir), refused[1])
+    _refuse_a_folder_that_cannot_hold_a_run(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = aside(run_dir / "write-test", "tmp")  # its own name: two runs starting at once
@@ -84,6 +82,13 @@ def create_run_dir(output: str) -> Path:
         raise OutputError(f"cannot create or write the output directory: {exc.strerror or exc}", str(run_dir),
                           "choose a path you can write to with --output") from exc
     return run_dir
+
+
+def _refuse_a_folder_that_cannot_hold_a_run(output) -> None:
+    """A file, a folder inside another run, a dataset's or a model's (ptbr/outputs.py folder_refusal)."""
+    refused = folder_refusal(output)
+    if refused:
+        raise OutputError(refused[0], str(output), refused[1])
 
 
 def refuse_an_input_as_output(settings) -> None:
@@ -98,9 +103,7 @@ def check_before_launch(settings) -> None:
     launch starts its workers (each would import torch and build its backend first, then fail with
     the same line, seconds later): the --output, and the data's files being there."""
     refuse_an_input_as_output(settings)
-    refused = folder_refusal(settings.output)
-    if refused:
-        raise OutputError(refused[0], str(settings.output), refused[1])
+    _refuse_a_folder_that_cannot_hold_a_run(settings.output)
     if settings.command == "finetune":
         from ptbr.finetune.data import data_paths
 
@@ -226,6 +229,10 @@ def remove_a_launch_that_never_started(run_dir: Path, code: int, made: Path | No
         remove_empty_folders(run_dir.parent, made)  # the parents the launch made on the way
 
 
+OUT_OF_MEMORY_FIX = ("run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
+                     "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config that fits")
+
+
 @contextmanager
 def out_of_memory_is_an_error(backend) -> Iterator[None]:
     """Without --auto-fit, running out of memory is the user's to fix (exit 5), not a crash."""
@@ -235,9 +242,8 @@ def out_of_memory_is_an_error(backend) -> Iterator[None]:
         if isinstance(exc, PtbrError) or not backend.is_out_of_memory(exc):
             raise
         raise DeviceError(f"out of memory on {backend.device}: {first_line(exc)[:160]}", "training",
-                          "run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
-                          "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config "
-                          "that fits; a resume continues from the last checkpoint where one was written") from exc
+                          f"{OUT_OF_MEMORY_FIX}; a resume continues from the last checkpoint where one was "
+                          "written") from exc
 
 
 def refuse_a_peak_beyond_ram(predicted: int, backend, settings) -> None:
@@ -254,12 +260,10 @@ def refuse_a_peak_beyond_ram(predicted: int, backend, settings) -> None:
     held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
     free = psutil.virtual_memory().available + psutil.swap_memory().free
     if predicted - held > free:
-        raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {(predicted - held) / 2**30:.1f} "
+        more = (predicted - held) / 2**30
+        raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {more:.1f} "
                           f"GiB more than this process holds, and {free / 2**30:.1f} GiB is free (RAM and swap): "
-                          "the kernel would kill the run", f"--batch-size {settings.batch_size}",
-                          "run with --auto-fit (it finds the micro-batch that fits), or lower --batch-size (raising "
-                          "--grad-accum), turn on --gradient-checkpointing, or ask `ptbr preflight` for a config "
-                          "that fits")
+                          "the kernel would kill the run", f"--batch-size {settings.batch_size}", OUT_OF_MEMORY_FIX)
 
 
 def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:

@@ -20,6 +20,7 @@ from ptbr.files import (
     file_sha256,
     first_missing,
     fsync,
+    read_json,
     remove_empty_folders,
     remove_leftovers,
     writing,
@@ -130,11 +131,8 @@ def _refuse_what_is_not_a_datasets(output: Path) -> None:
 def _model_config(path: Path) -> bool:
     """A Hugging Face model's or adapter's config (model_type, architectures, peft_type), not any
     config.json (a user's --config file kept there)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and any(key in data for key in ("model_type", "architectures", "peft_type"))
+    data = read_json(path) or {}
+    return any(key in data for key in ("model_type", "architectures", "peft_type"))
 
 
 def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: str | None, vocab_size: int,

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from ptbr.errors import ModelError
+from ptbr.files import read_json
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # config.json entries that must be positive integers wherever they appear
@@ -56,7 +57,7 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
                        "merge)")
             if (path / "run_config.json").is_file() and not (path / "adapters").is_dir():
                 # a run stopped before its end: final/ (adapters/ without validation) comes at the last step
-                command = _run_command(path / "run_config.json")
+                command = (read_json(path / "run_config.json") or {}).get("command")
                 fix = (f"this is a fine-tuning run's directory without its adapter yet (adapters/ is written at "
                        f"its last step when it has no validation set): run the same `ptbr finetune` command again "
                        f"to finish it, then give --model BASE --adapter {path / 'adapters'}" if command == "finetune"
@@ -81,14 +82,6 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
     if ORG_AND_NAME.match(base):
         fix += f", or add --download to fetch {base} from the Hugging Face Hub"
     raise ModelError(f"{what} directory not found", base, fix)
-
-
-def _run_command(run_config: Path) -> str | None:
-    try:
-        recorded = json.loads(run_config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return recorded.get("command") if isinstance(recorded, dict) else None
 
 
 def has_weights(directory: Path) -> bool:

@@ -45,6 +45,11 @@ LOCKS_BY_PLATFORM = {
     ("Linux", "x86_64"): {"tests": "ci", "run": "cpu", "cuda": "cuda", "kaggle": "ci"},
     ("Darwin", "arm64"): {"tests": "macos", "run": "macos", "kaggle": "macos"},
 }
+# Files the tests read from a wheel, installed by hash without its dependencies into a folder of
+# its own (never site-packages: where transformers finds mistral-common installed it loads Mistral
+# tokenizers through it): Mistral-7B's SentencePiece model from mistral-common (see the file).
+# The tests find the folder through PTBR_TEST_DATA.
+TEST_DATA = ROOT / "locks" / "test-data.txt"
 # Installer tooling that a virtual environment starts with; a lock need not name it.
 SEEDED = {"pip", "setuptools", "wheel"}
 
@@ -150,7 +155,9 @@ def install_locked(session: nox.Session, lock: Path) -> None:
 def tests(session: nox.Session) -> None:
     """The whole test suite (tiny models, real CLI, real QLoRA on CPU, real container build)."""
     install_locked(session, lock_for(session, "tests"))
-    session.run("pytest", *session.posargs)
+    data = Path(session.create_tmp()) / "test-data"
+    session.install("--require-hashes", "--no-deps", "--upgrade", "--target", str(data), "-r", str(TEST_DATA))
+    session.run("pytest", *session.posargs, env={"PTBR_TEST_DATA": str(data)})
 
 
 @nox.session

@@ -7,15 +7,17 @@ ends the kernel with `[ptbr-kernel] FAILED at stage NAME: WHY` and a non-zero ex
 kernel's log names the stage:
 
   environment  Python, platform, glibc, GPUs (nvidia-smi -L), Kaggle's run type.
+  resume       a previous version of this kernel whose output is attached (kernel_sources) left
+               its run under /kaggle/input, read-only: its files are copied to /kaggle/working/run,
+               where `--resume auto` continues from its newest intact checkpoint. First, before
+               any stage that can fail: a version that fails later still leaves the run in its
+               output (with ptbr-kaggle-run.json), so the next version resumes from it.
   bundle       the bundle dataset, found by its marker file ptbr-bundle.json anywhere under
                /kaggle/input (older sessions mount a dataset at /kaggle/input/SLUG, newer ones at
                /kaggle/input/datasets/OWNER/SLUG); every file's size checked, every wheel's sha256.
   install      pip install --no-index --find-links BUNDLE/wheels ptbr: pip keeps what the image
                already has in a version ptbr accepts (torch included) and installs the rest from
                the bundle's wheels.
-  resume       a previous version of this kernel whose output is attached (kernel_sources) left
-               its run under /kaggle/input, read-only: its files are copied to /kaggle/working/run,
-               where `--resume auto` continues from its newest intact checkpoint.
   preflight    ptbr preflight with the run's settings: preflight_report.json in the run directory.
                ptbr runs offline (HF_HUB_OFFLINE=1), with the bundle's --env variables.
   train        ptbr train or ptbr finetune into /kaggle/working/run (both T4s: the settings say
@@ -89,6 +91,12 @@ def main() -> int:
         log(f"{stage}: {describe_environment()}")
         record["stages"][stage] = "ok"
 
+        # before any stage that can fail: whatever happens next, this version's output holds the run
+        stage = "resume"
+        run_dir = working / RUN_DIR
+        record["resumed_from"] = restore_previous_run(inputs, BUNDLE_ID, run_dir, working)
+        record["stages"][stage] = "ok"
+
         stage = "bundle"
         bundle, info = find_bundle(inputs, BUNDLE_ID)
         record["bundle"] = info["id"]
@@ -104,11 +112,6 @@ def main() -> int:
 
         stage = "install"
         install(folders["wheels"], info)
-        record["stages"][stage] = "ok"
-
-        stage = "resume"
-        run_dir = working / RUN_DIR
-        record["resumed_from"] = restore_previous_run(inputs, info, run_dir, working)
         record["stages"][stage] = "ok"
 
         stage = "preflight"
@@ -318,28 +321,28 @@ def canonical(name: str) -> str:
 # --- resume ------------------------------------------------------------------------------------------
 
 
-def restore_previous_run(inputs: Path, info: dict, run_dir: Path, working: Path) -> str | None:
+def restore_previous_run(inputs: Path, bundle_id: str, run_dir: Path, working: Path) -> str | None:
     """Copy the run a previous version of this kernel left (found by its RUN_MARKER under
-    /kaggle/input) into run_dir, which must be writable: /kaggle/input is read-only. Files are
-    copied without their permission bits, which may be read-only there."""
+    /kaggle/input, naming the bundle `bundle_id`; empty: any) into run_dir, which must be writable:
+    /kaggle/input is read-only. Files are copied without their permission bits, which may be
+    read-only there. It runs before the bundle is looked at, so that a version failing at any later
+    stage still leaves the run in its output for the next one."""
     previous = []
     for marker in find_markers(inputs, RUN_MARKER):
         try:
             record = json.loads(marker.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if record.get("bundle") == info["id"] and (marker.parent / RUN_DIR).is_dir():
+        if (not bundle_id or record.get("bundle") == bundle_id) and (marker.parent / RUN_DIR).is_dir():
             previous.append(marker.parent / RUN_DIR)
     if not previous:
+        of = f" of {bundle_id}" if bundle_id else ""
         if EXPECT_PREVIOUS:
-            raise StageFailed(f"the previous version's output was attached to resume from, but no {RUN_MARKER} "
-                              f"of {info['id']} with its run/ is under {inputs}: Kaggle did not mount it, or that "
-                              "version left none; look at its output (ptbr kaggle output), then push again")
-        if info.get("resume_from_previous"):
-            log("resume: no previous version's output is attached (the first version, or the last one left "
-                "none): starting a new run")
-        else:
-            log("resume: nothing to resume (bundled without --resume-from-previous)")
+            raise StageFailed(f"the previous version's output was attached to resume from, but no {RUN_MARKER}"
+                              f"{of} with its run/ is under {inputs}: Kaggle did not mount it, or that version "
+                              "left none; look at its output (ptbr kaggle output), then push again")
+        log("resume: no previous version's output is attached (the first version, a bundle made without "
+            "--resume-from-previous, or the last version left none): starting a new run")
         return None
     source = previous[0]
     if run_dir.exists() and any(run_dir.iterdir()):

@@ -258,12 +258,21 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+# True once command() runs: main() is then the process's command, not a call from Python
+_AS_COMMAND = False
+
+
 def command() -> int:
     """What the `ptbr` command and `python -m ptbr` run: main() on the command line, after which a
     failed rank of a data-parallel run ends at once with its code (ptbr/backends/torch/distributed.py
     exit_a_failed_rank). main() itself always returns, for callers from Python; command() is the
     process's entry point, and leaves SIGINT/SIGTERM ending the process at once (_keep_the_outcome)."""
-    code = main()
+    global _AS_COMMAND
+    _AS_COMMAND = True
+    try:
+        code = main()
+    finally:
+        _AS_COMMAND = False  # (a caller from Python, a test, may call main() next)
     _forget_caught_interrupts()
     _keep_the_outcome(code)
     _leave_native_threads(code)
@@ -404,10 +413,16 @@ def _run(argv: list[str] | None) -> int:
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what --num-processes hands its workers
     _report_native_crashes()
     previous = _stop_on_sigterm()
+    code = None
     try:
-        return _command(args)
+        code = _command(args)
+        return code
     finally:
-        if previous is not None:  # main() called from Python (tests, notebooks): theirs again
+        if _AS_COMMAND and code is not None:
+            # the process's own command has its result: from here a signal ends it with that code
+            # (restoring SIGTERM's default first left a moment where it ended the process with 143)
+            _keep_the_outcome(code)
+        elif previous is not None:  # main() called from Python (tests, notebooks): theirs again
             import signal
 
             signal.signal(signal.SIGTERM, previous)

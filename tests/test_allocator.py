@@ -18,15 +18,19 @@ from ptbr.backends.torch import allocator
 
 pytestmark = pytest.mark.skipif(not allocator._glibc(), reason="glibc's malloc only")
 
-WHERE = """
+# glibc's malloc statistics (mallinfo2), in a child process whose allocator a test has set
+MALLINFO = """
 import ctypes, json, sys, torch
 from ptbr.backends.torch import allocator
-kept = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Mallinfo2
+"""
+
+WHERE = MALLINFO + """
+kept = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
 mapped = {}
 for mib in (1, 16, 48):
     before = libc.mallinfo2().hblkhd  # bytes in blocks glibc mmapped on their own
@@ -60,6 +64,16 @@ print(json.dumps(faults))
 """
 
 
+RISING_BAR = MALLINFO + """
+fixed = allocator.return_freed_memory() if sys.argv[1] == "return" else None
+big = torch.ones(16 * 2**18)  # 16 MiB, mapped on its own; freeing it raises glibc's default bar to 16 MiB
+del big
+before = libc.mallinfo2().hblkhd
+small = torch.ones(2**18)  # 1 MiB
+print(json.dumps({"fixed": fixed, "mapped": (libc.mallinfo2().hblkhd - before) >> 20}))
+"""
+
+
 def _child(script: str, *args: str, **env):
     environ = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD" and not k.startswith("MALLOC_")}
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True,
@@ -74,6 +88,14 @@ def test_blocks_under_32_mib_come_from_the_heap_and_larger_ones_are_mapped():
     assert kept["kept"] is True and kept["again"] is True  # once per process, the same answer
     assert kept["mapped"] == {"1": 0, "16": 0, "48": 48}
     assert _child(WHERE, "default")["mapped"] == {"1": 1, "16": 16, "48": 48}
+
+
+def test_the_bar_fixed_at_128_kib_stops_rising_so_freed_blocks_go_back_to_the_kernel():
+    """glibc's default bar rises to what was freed (16 MiB here): a 1 MiB block then comes from the
+    heap and stays there when freed, which grew the heap past the memory model's peak (1.6-1.75x
+    over micro-batches). Fixed, it is mapped on its own and unmapped when freed."""
+    assert _child(RISING_BAR, "default") == {"fixed": None, "mapped": 0}
+    assert _child(RISING_BAR, "return") == {"fixed": True, "mapped": 1}
 
 
 @pytest.mark.slow
@@ -107,18 +129,43 @@ def test_a_malloc_setting_in_the_environment_keeps_glibc_as_told():
 
 def test_a_cpu_backend_keeps_freed_memory_and_a_gpu_one_does_not(monkeypatch):
     import ptbr.backends.torch as torch_backend
-    from ptbr.runs.common import describe_placement
 
     calls = []
     monkeypatch.setattr(torch_backend, "keep_freed_memory", lambda: calls.append(1) or True)
     backend = torch_backend.TorchBackend.create("cpu", "fp32", pretraining=True)
-    assert calls == [1]
-    assert "glibc's malloc keeps what a step frees" in describe_placement(backend, None)  # the start-up line
+    assert calls == []  # a run decides, once it knows its predicted peak
+    assert backend.keep_freed_memory().startswith("glibc's malloc keeps what a step frees") and calls == [1]
     monkeypatch.setattr(torch_backend, "resolve_device", lambda device: __import__("torch").device("cuda", 0))
     monkeypatch.setattr(torch_backend, "resolve_precision", lambda *a: None)
-    monkeypatch.setattr(torch_backend.TorchBackend, "__init__", lambda self, placement, world=None: None)
-    torch_backend.TorchBackend.create("cuda", "bf16", pretraining=True)
-    assert calls == [1]
+    gpu = torch_backend.TorchBackend.__new__(torch_backend.TorchBackend)
+    gpu.placement = type("P", (), {"device": __import__("torch").device("cuda", 0)})()
+    assert gpu.keep_freed_memory() == "" and calls == [1]
+
+
+def test_freed_memory_is_kept_only_where_the_peak_it_can_hold_fits(monkeypatch, tmp_path, capsys):
+    """Keeping freed memory held up to 1.52x the predicted peak (tiny, 64 x 256, four micro-batches):
+    a run whose peak that much larger would not fit the RAM available (a container's limit, say)
+    leaves glibc at its defaults, where the memory model's prediction holds, and says so."""
+    import psutil
+
+    import ptbr.backends.torch as torch_backend
+    from ptbr.cli import main
+    from ptbr.runs import common
+
+    calls = []
+    monkeypatch.setattr(torch_backend, "keep_freed_memory", lambda: calls.append(1) or True)
+    real = psutil.virtual_memory()
+    args = ["train", "--model-size", "tiny", "--seq-len", "32", "--batch-size", "2", "--device", "cpu",
+            "--precision", "fp32", "--max-steps", "1", "--eval-every", "0"]
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=64 * 2**30))
+    monkeypatch.setattr(common, "FREED_MEMORY_HELD", 64 * 2**30 / 1e6)  # the run fits, its peak that much larger not
+    assert main([*args, "--output", str(tmp_path / "tight")]) == 0
+    err = capsys.readouterr().err
+    assert calls == [] and "glibc's malloc returns what steps free: keeping it (faster steps on a CPU) " \
+        "can hold 68719.5x the predicted peak of 0.5 GiB, more than the 64.0 GiB of RAM available" in err, err
+    monkeypatch.setattr(common, "FREED_MEMORY_HELD", 2.0)
+    assert main([*args, "--output", str(tmp_path / "roomy")]) == 0
+    assert calls == [1] and "glibc's malloc keeps what a step frees" in capsys.readouterr().err
 
 
 TRIM = """

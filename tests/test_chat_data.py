@@ -11,6 +11,7 @@ from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
 from ptbr.finetune.data import (
     DEFAULT_CHAT_TEMPLATE,
     encode_prompt,
+    fix_of,
     inspect_jsonl,
     use_default_chat_template,
 )
@@ -165,6 +166,35 @@ def test_every_problem_is_reported_with_its_line(tmp_path):
                                              "then give that file)"]
     array.write_text('[{"text": "um"},\n{"text": "dois"\n', encoding="utf-8")  # not an array after all: line by line
     assert [p.split(":")[0] for p in inspect_jsonl(array).problems] == ["line 1", "line 2"]
+
+
+def test_a_whole_file_problem_gets_its_own_fix_not_fix_the_lines(tmp_path):
+    """An empty file or a JSON array has no line to fix: the fix says what to give instead; a file
+    with both kinds of problem (a bad validation file, a bad training file) gets both fixes."""
+    empty, array, bad = tmp_path / "empty.jsonl", tmp_path / "array.jsonl", tmp_path / "bad.jsonl"
+    empty.write_text("", encoding="utf-8")
+    array.write_text('[{"text": "um"}]', encoding="utf-8")
+    bad.write_text('{"text": "um"}\n{"text": \n', encoding="utf-8")
+    reports = {p.name: inspect_jsonl(p) for p in (empty, array, bad, tmp_path / "missing.jsonl")}
+    assert fix_of([reports["empty.jsonl"]], "fix the lines") == (
+        'give a file with one example per line, e.g. {"prompt": "...", "completion": "..."} (see README, Data formats)')
+    assert fix_of([reports["array.jsonl"]], "fix the lines") == "convert array.jsonl to JSON Lines, one example per line"
+    assert fix_of([reports["missing.jsonl"]], "fix the lines") == (
+        f"give a readable JSONL file (check {tmp_path / 'missing.jsonl'}'s path and permissions)")
+    assert fix_of([reports["bad.jsonl"]], "fix the lines") == "fix the lines"
+    assert fix_of([reports["bad.jsonl"], reports["array.jsonl"]], "fix the lines") == (
+        "convert array.jsonl to JSON Lines, one example per line; fix the lines")
+
+
+def test_lines_ended_by_a_carriage_return_alone_are_lines(tmp_path):
+    """Classic Mac OS line endings (\r only) are read as lines, as `ptbr prepare` reads them; \r\n
+    as well. Before, the whole file was one line of invalid JSON."""
+    for ending in ("\r", "\r\n", "\n"):
+        path = tmp_path / "cr.jsonl"
+        path.write_bytes(ending.join(['{"text": "olá"}', '{"text": "bom dia"}', ""]).encode())
+        report = inspect_jsonl(path)
+        assert report.problems == [] and [r.value["text"] for r in report.records] == ["olá", "bom dia"], ending
+        assert [r.line for r in report.records] == [1, 2]
 
 
 def test_long_examples_are_truncated_or_dropped_with_a_count(tmp_path, tokenizer_default):

@@ -368,6 +368,23 @@ def test_a_stop_signal_after_the_command_ended_keeps_its_exit_code(stop):
     assert (done.returncode, done.stderr) == (0, "") and time.monotonic() - started < 20
 
 
+def test_a_sigterm_between_the_result_and_the_exit_keeps_the_exit_code():
+    """main() put SIGTERM's default back as the command returned, before command() made a signal
+    keep the result: a SIGTERM in between (here: while main() flushes stdout) ended the process
+    with the shell's 143 after `smoke ok` (3 of 3 tries by hand)."""
+    script = ("import os, signal, sys\n"
+              "import ptbr.cli as cli\n"
+              "cli._command = lambda args: 0  # a command that finished\n"
+              "class Out:\n"
+              "    def write(self, text): return len(text)\n"
+              "    def flush(self): os.kill(os.getpid(), signal.SIGTERM)  # main() flushes after the command\n"
+              "sys.stdout = Out()\n"
+              "sys.argv = ['ptbr', 'info']\n"
+              "sys.exit(cli.command() + 99)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 def test_a_ctrl_c_caught_inside_code_run_from_a_string_still_ends_with_130(tmp_path):
     """CPython ends a `python -m` program with SIGINT at exit (the shell sees -2, not 130) once a
     KeyboardInterrupt escaped code that exec() ran from a string, even where the program caught it:
@@ -420,3 +437,28 @@ def test_the_error_line_comes_after_what_stdout_still_buffered():
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=60, env=buffered)
     assert done.stdout == "a line of output " * 3 + "\nerror: it failed (x); fix: y\n"
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_generate_from_a_model_with_nan_weights_says_so_in_one_line(tmp_path, capsys, temperature):
+    """A NaN in the weights (a damaged file, a diverged run's model): sampling failed inside torch,
+    reported as a bug in ptbr (exit 1), and greedy decoding printed the prompt alone (exit 0)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ptbr.data import SAMPLE_DIR
+    from ptbr.data.tokenizer import save_for_transformers
+
+    model_dir = tmp_path / "nan-model"
+    save_for_transformers(SAMPLE_DIR / "tokenizer.json", model_dir)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(model_dir)
+    assert main(["generate", "Era uma vez", "--model", str(model_dir), "--max-new-tokens", "5",
+                 "--temperature", temperature]) == 4
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: the model's output is not finite (NaN or infinite logits): its weights are damaged, or the run that "
+        "made them diverged (ptbr generate); fix: use another checkpoint of the run (OUTPUT/checkpoints/step_*), "
+        "or copy the model's files again")

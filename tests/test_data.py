@@ -80,6 +80,20 @@ def test_datasets_and_runs_keep_to_their_own_directories(tmp_path, dataset_dir, 
         f"error: --output is the directory of --data {dataset_dir} ({dataset_dir}); fix: give the run a directory "
         "of its own with --output (e.g. runs/NAME)")
     assert sorted(p.name for p in dataset_dir.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    # a folder inside the dataset, or inside the bundled sample (the installed package) that a run without --data uses
+    assert main(["train", "--data", str(dataset_dir), "--output", str(dataset_dir / "run"), "--model-size", "tiny",
+                 "--max-steps", "1", "--device", "cpu"]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --output is inside the directory of --data {dataset_dir} ({dataset_dir / 'run'}); fix: give the run "
+        "a directory of its own with --output (e.g. runs/NAME)")
+    from ptbr.data import SAMPLE_DIR
+
+    assert main(["train", "--output", str(SAMPLE_DIR / "run"), "--model-size", "tiny", "--max-steps", "1",
+                 "--device", "cpu"]) == 6
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --output is inside ptbr's bundled sample dataset, in the installed package ({SAMPLE_DIR / 'run'}); "
+        "fix: give the run a directory of its own with --output (e.g. runs/NAME)")
+    assert not (dataset_dir / "run").exists() and not (SAMPLE_DIR / "run").exists()
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     assert main(["prepare", "--input", str(corpus_dir), "--output", str(run), "--vocab-size", "400"]) == 6
@@ -209,6 +223,10 @@ def test_long_documents_stream_in_pieces(tmp_path, monkeypatch):
     assert len(pieces) > 10 and [end for _, end in pieces].count(True) == 1
     meta = prepare([str(text)], tmp_path / "out", vocab_size=300, val_fraction=0.0, show_progress=False)
     assert meta["train_documents"] == 1 and meta["val_tokens"] == 0
+    # the pieces' tokens are the whole document's (each piece is encoded after the end of the one before)
+    tokenizer = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    whole = tokenizer.encode(text.read_text().rstrip("\n"), add_special_tokens=False).ids + [meta["eos_id"]]
+    assert np.fromfile(tmp_path / "out" / "train.bin", dtype="<u2").tolist() == whole
 
 
 def test_a_file_of_one_huge_line_is_read_a_piece_at_a_time(tmp_path, monkeypatch):
@@ -235,15 +253,16 @@ def test_a_document_that_ends_right_after_a_full_piece_still_ends(tmp_path, monk
     first, second = tmp_path / "a.txt", tmp_path / "b.txt"
     first.write_text("aaaaaaaaa\nbbbbbbbbb\n\nsegundo doc\n\nccccccccc\nddddddddd\n")  # 2 x 10 characters
     second.write_text("terceiro doc\n")
-    assert list(corpus.iter_documents(first)) == [("aaaaaaaaa\nbbbbbbbbb\n", False), ("", True),
-                                                  ("segundo doc", True), ("ccccccccc\nddddddddd\n", False), ("", True)]
+    # the newline that ends a piece goes with the next one: a document's last newline is cut, as every one's is
+    assert list(corpus.iter_documents(first)) == [("aaaaaaaaa\nbbbbbbbbb", False), ("", True),
+                                                  ("segundo doc", True), ("ccccccccc\nddddddddd", False), ("", True)]
     meta = prepare([str(first), str(second)], tmp_path / "out", vocab_size=300, val_fraction=0.0, show_progress=False)
     assert meta["train_documents"] == 4
     tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype="<u2")
     tokenizer = load_tokenizer(tmp_path / "out" / "tokenizer.json")
     assert int((tokens == meta["eos_id"]).sum()) == 4
     assert tokenizer.decode(tokens.tolist(), skip_special_tokens=False).split("<|endoftext|>") == [
-        "aaaaaaaaa\nbbbbbbbbb\n", "segundo doc", "ccccccccc\nddddddddd\n", "terceiro doc", ""]
+        "aaaaaaaaa\nbbbbbbbbb", "segundo doc", "ccccccccc\nddddddddd", "terceiro doc", ""]
     assert "holds a document of more than 20 characters without a blank line" in capsys.readouterr().err
 
 

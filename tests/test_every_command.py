@@ -229,6 +229,10 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
     config = AutoConfig.from_pretrained(toy.base)
     config.num_hidden_layers += 1
     AutoModelForCausalLM.from_config(config).save_pretrained(deeper)
+    shallower = tmp_path / "shallower-base"  # one layer fewer: PEFT left the adapter's last layer out, silently
+    shutil.copytree(toy.base, shallower, ignore=shutil.ignore_patterns("*.safetensors"))
+    config.num_hidden_layers -= 2
+    AutoModelForCausalLM.from_config(config).save_pretrained(shallower)
     (tmp_path / "m-run" / "merged").mkdir(parents=True)  # a run directory whose model is merged/
     shutil.copy(toy.base / "config.json", tmp_path / "m-run" / "merged")
     cases = [Case(finetune + [str(tmp_path / f"f-{key}"), "--base", str(path), "--data", str(toy.data)], 4, "")
@@ -269,6 +273,12 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
              f"base_model.model.model.layers.{layers}."),
         Case(["generate", "Oi", "--model", str(deeper), "--adapter", str(adapter)], 4,
              "the adapter does not fit this base model"),
+        # fewer layers: PEFT left the adapter's last layers out, silently (a merge wrote half an adapter)
+        Case(["merge", "--base", str(shallower), "--adapter", str(adapter), "--output",
+              str(tmp_path / "m-shallower")], 4, "the adapter does not fit this base model: the base has no module "
+             f"for 14 of its LoRA tensors (e.g. base_model.model.model.layers.{layers - 1}."),
+        Case(["generate", "Oi", "--model", str(shallower), "--adapter", str(adapter)], 4,
+             "the base has no module for 14 of its LoRA tensors"),
         Case(["export-adapter", str(adapter), "--to", "peft", "--output", str(other_adapters)], 6,
              "--output holds an adapter that no export wrote (a run's adapters/): the export would replace it"),
         # a fine-tuning run's files would mix with its data's or its base's
@@ -279,7 +289,15 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         # export-adapter swaps its output in whole: never over a run, a base, a folder of other files
         # or the adapter itself (it replaced all of them, without a copy)
         Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run / "checkpoints")], 6,
-             "--output already holds other files (step_000001): the export would replace them"),
+             f"--output is inside the run {adapter_run}, among its files: the export would mix with them"),
+        # a folder inside a run: `ptbr report` then refused the run (plots/x), a re-run moved it to previous/
+        Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run / "plots" / "x")], 6,
+             f"error: --output is inside the run {adapter_run}, among its files: the export would mix with them ("
+             f"{adapter_run / 'plots' / 'x'}); fix: give a new directory for the converted adapter"),
+        Case(["merge", "--base", str(toy.base), "--adapter", str(adapter), "--output",
+              str(adapter_run / "checkpoints" / "new")], 6, f"error: --output is inside the run {adapter_run}, among "
+             f"its files: the merge would mix with them ({adapter_run / 'checkpoints' / 'new'}); fix: give a new "
+             f"directory for the merged model ({adapter_run / 'merged'} is the run's own place for it)"),
         Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(adapter_run)], 6,
              "--output is or holds the adapter: the export would replace it"),
         Case(["export-adapter", str(adapter), "--to", "mlx", "--output", str(toy.base)], 6,

@@ -547,10 +547,26 @@ def test_a_run_resumes_with_its_base_found_at_another_path(toy, tmp_path, capsys
     capsys.readouterr()
     assert main(["finetune", "--base", str(moved), *common, "--max-steps", "2"]) == 0
     assert f"resuming from {out / 'checkpoints' / 'step_000001'}" in capsys.readouterr().err
-    config = json.loads((moved / "config.json").read_text())
+    original = (moved / "config.json").read_bytes()
+    config = json.loads(original)
     (moved / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))
     assert main(["finetune", "--base", str(moved), *common, "--max-steps", "3"]) == 2
     assert "base_files is " in capsys.readouterr().err
+    # the same files, names and sizes, with other weights (a base retrained or saved again in place)
+    (moved / "config.json").write_bytes(original)
+    weights = moved / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(b ^ 1 for b in data[-4:])  # the last float: changed, in place
+    weights.write_bytes(bytes(data))
+    assert main(["finetune", "--base", str(moved), *common, "--max-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "base_weights is " in err and "(the base model's weights changed: retrained or saved again in place)" in err
+    # a checkpoint of an older ptbr records no base_weights: its resume is not refused for it
+    state_file = out / "checkpoints" / "step_000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["run"]["identity"]["base_weights"]
+    state_file.write_text(json.dumps(state))
+    assert main(["finetune", "--base", str(moved), *common, "--max-steps", "3"]) == 0
 
 
 def test_a_resume_at_another_micro_batch_validates_on_the_same_examples(toy, tmp_path, capsys):

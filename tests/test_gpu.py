@@ -32,6 +32,20 @@ def test_mixed_precision_training_learns_on_the_gpu(tmp_path, precision):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert all(row["mem_bytes"] > 0 for row in rows)
+    # the allocator's peak so far: it never falls, and the last is at most the process's peak now
+    assert [row["mem_bytes"] for row in rows] == sorted(row["mem_bytes"] for row in rows)
+    assert rows[-1]["mem_bytes"] <= torch.cuda.max_memory_allocated()
+
+
+def test_test_gpu_prints_the_allocator_s_peak(capsys):
+    """The probe's peak: torch.cuda.max_memory_allocated, reset when the probe begins."""
+    import re
+
+    assert main(["test-gpu", "--model-size", "tiny", "--seq-len", "512", "--batch-size", "32", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"peak memory (\d+\.\d\d) GiB \(the allocator's peak since the probe began\)$", out, flags=re.M)
+    assert found, out
+    assert found[1] == f"{torch.cuda.max_memory_allocated() / 1024**3:.2f}"
 
 
 def test_bf16_is_refused_where_only_emulated(tmp_path):

@@ -24,7 +24,7 @@ import pytest
 import tests.test_finetune as finetune_tests
 from ptbr.cli import main
 from ptbr.data import SAMPLE_DIR
-from ptbr.kaggle import layout
+from ptbr.kaggle import layout, remote
 from tests import kaggle_fake
 from tests.kaggle_fake import KEY, TOKEN, USERNAME, FakeKaggle
 
@@ -367,8 +367,10 @@ def test_push_creates_the_dataset_waits_checks_every_file_then_pushes_the_kernel
         tiny_bundle / "dataset" / layout.BUNDLE_MARKER).read_bytes()
     calls = [call.split("/")[1] for call in fake.calls]
     create = calls.index("CreateDataset")
-    # asked whether the dataset exists (404), then one upload per file and per folder (a .zip)
-    assert calls[0] == "GetDatasetStatus" and set(calls[1:create]) == {"GetDatasetStatus", "StartBlobUpload"}
+    # asked whether the kernel and the dataset exist (404: what is there of that id is not taken over),
+    # then one upload per file and per folder (a .zip)
+    assert calls[:2] == ["GetKernelSessionStatus", "GetDatasetStatus"], calls
+    assert set(calls[2:create]) == {"GetDatasetStatus", "StartBlobUpload"}, calls  # the client asks too
     assert calls[:create].count("StartBlobUpload") == len(list((tiny_bundle / "dataset").iterdir())) - 1
     assert calls[create + 1:create + 4] == ["GetDatasetStatus"] * 3  # not yet persisted, blobs received, ready
     assert calls.index("ListDatasetFiles") < calls.index("SaveKernel") and calls[-1] == "SaveKernel"
@@ -400,6 +402,16 @@ def test_push_creates_the_dataset_waits_checks_every_file_then_pushes_the_kernel
     run = kaggle(fake, "push", str(tiny_bundle), "--kernel-only")
     assert run.returncode == 11 and len(fake.kernels[KERNEL_ID].pushes) == 2
     assert last_error(run.stderr).startswith(f"error: the kernel {KERNEL_ID} is still running")
+    # ... and a whole push says so before it uploads anything (it uploaded the dataset, then refused)
+    fake.calls.clear()
+    run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
+    assert run.returncode == 11 and len(fake.datasets[KERNEL_ID].versions) == 2
+    assert not {"StartBlobUpload", "CreateDatasetVersion", "SaveKernel"} & {c.split("/")[1] for c in fake.calls}
+    assert last_error(run.stderr) == (
+        f"error: the kernel {KERNEL_ID} is still running: its output is not there to resume from, and nothing was "
+        f"uploaded ({KERNEL_ID}); fix: wait until it ends (`ptbr kaggle status {tiny_bundle} --wait`), then push "
+        "again (--kernel-only to start the next session without uploading the dataset again, when the bundle has "
+        "not changed)")
 
 
 @pytest.mark.slow
@@ -437,6 +449,102 @@ def test_kaggles_refusals_are_one_line_errors(fake, tiny_bundle, tmp_path):
     assert run.returncode == 2 and fake.calls == []
     assert last_error(run.stderr).startswith(f"error: the bundle is for the Kaggle user someone-else, but the "
                                              f"credentials are {USERNAME}'s")
+
+
+@pytest.mark.slow
+def test_push_takes_over_no_dataset_or_kernel_of_that_id_that_is_not_a_ptbr_bundle(fake, tiny_bundle):
+    """A dataset of the same slug that is not a bundle (no ptbr-bundle.json) would get the bundle as
+    its new version, published with it if it is public; a kernel that is not ptbr's would get its
+    code replaced. Both are refused before anything is uploaded."""
+    fake.datasets[KERNEL_ID] = kaggle_fake.Dataset([{"scores.csv": b"a,b\n1,2\n"}])
+    for extra in ((), ("--kernel-only",)):
+        fake.calls.clear()
+        run = kaggle(fake, "push", str(tiny_bundle), *extra)
+        assert run.returncode == 6, run.stderr
+        assert last_error(run.stderr) == (
+            f"error: Kaggle already has a dataset {KERNEL_ID} that is not a ptbr bundle (no {layout.BUNDLE_MARKER}; "
+            "it holds scores.csv): a new version would replace its files with the bundle's "
+            f"(https://www.kaggle.com/datasets/{KERNEL_ID}); fix: make the bundle again with another --slug")
+        assert not {"StartBlobUpload", "CreateDatasetVersion", "SaveKernel"} & {c.split("/")[1] for c in fake.calls}
+    assert len(fake.datasets[KERNEL_ID].versions) == 1
+    # a kernel of that id with other code
+    del fake.datasets[KERNEL_ID]
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(source="import pandas\nprint('my notebook')\n")
+    fake.calls.clear()
+    run = kaggle(fake, "push", str(tiny_bundle))
+    assert run.returncode == 6
+    assert last_error(run.stderr) == (
+        f"error: Kaggle already has a kernel {KERNEL_ID} that is not a ptbr kernel: pushing would replace its code "
+        f"with a new version (https://www.kaggle.com/code/{KERNEL_ID}); fix: make the bundle again with another "
+        "--slug")
+    assert KERNEL_ID not in fake.datasets and not fake.kernels[KERNEL_ID].pushes
+    assert "StartBlobUpload" not in " ".join(fake.calls)
+    # a dataset an earlier push left without its marker (that upload failed) is the bundle's: pushed again
+    del fake.kernels[KERNEL_ID]
+    fake.datasets[KERNEL_ID] = kaggle_fake.Dataset([{layout.SETTINGS_FILE: b"{}", "wheels.zip": zip_of({"a.whl": b"x"})}])
+    run = kaggle(fake, "push", str(tiny_bundle), "--poll-seconds", "0.01")
+    assert run.returncode == 0, run.stderr
+    assert len(fake.datasets[KERNEL_ID].versions) == 2 and "uploading a new version" in run.stderr
+
+
+def zip_of(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, content in files.items():
+            archive.writestr(name, content)
+    return buffer.getvalue()
+
+
+@pytest.mark.slow
+def test_push_refuses_a_bundle_whose_files_no_longer_match_its_marker(fake, tiny_bundle, tmp_path):
+    """An edited train-config.json, a deleted data file or a file added to BUNDLE/dataset would be
+    uploaded and fail only on Kaggle (or be called a failed upload): checked before connecting."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle, copy)
+    settings = copy / "dataset" / layout.SETTINGS_FILE
+    settings.write_text(settings.read_text().replace('"max_steps": 24', '"max_steps": 25'))
+    (copy / "dataset" / "data" / "val.bin").unlink()
+    (copy / "dataset" / "notes.txt").write_text("mine")
+    run = kaggle(fake, "push", str(copy))
+    assert run.returncode == 2 and fake.calls == []
+    assert last_error(run.stderr) == (
+        f"error: the bundle's files no longer match its {layout.BUNDLE_MARKER}: data/val.bin is missing; "
+        f"train-config.json has changed (its sha256 differs); notes.txt is not one of the bundle's files "
+        f"({copy / 'dataset'}); fix: make the bundle again (`ptbr kaggle bundle` with the same --output; settings "
+        "go in its --config, not in the bundle)")
+    # --kernel-only uploads none of them (the data may have been moved away since the dataset went up)
+    populate(fake, tiny_bundle)
+    run = kaggle(fake, "push", str(copy), "--kernel-only")
+    assert run.returncode == 0, run.stderr
+    # the marker itself rewritten: the kernel, which holds its sha256, would refuse the dataset
+    marker = copy / "dataset" / layout.BUNDLE_MARKER
+    marker.write_text(marker.read_text() + "\n")
+    fake.calls.clear()
+    run = kaggle(fake, "push", str(copy), "--kernel-only")
+    assert run.returncode == 2 and fake.calls == []
+    assert last_error(run.stderr).startswith(f"error: the kernel script was not made with this bundle's "
+                                             f"{layout.BUNDLE_MARKER} (its sha256 differs)")
+
+
+@pytest.mark.slow
+def test_kaggles_own_failures_and_a_kernel_only_push_of_no_dataset_say_what_to_do(fake, tiny_bundle):
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
+    fake.fail_methods = {"GetKernelSessionStatus": 503}
+    run = kaggle(fake, "status", str(tiny_bundle))
+    assert run.returncode == 11
+    assert last_error(run.stderr) == (
+        f"error: cannot ask about the kernel {KERNEL_ID}: Kaggle answered HTTP 503: Service Unavailable (Kaggle API); "
+        "fix: the failure is on Kaggle's side: run the command again in a few minutes (see "
+        "https://status.kaggle.com if it lasts)")
+    # --kernel-only before the dataset was ever pushed
+    fake.fail_methods = {}
+    del fake.kernels[KERNEL_ID]
+    run = kaggle(fake, "push", str(tiny_bundle), "--kernel-only")
+    assert run.returncode == 11 and KERNEL_ID not in fake.kernels
+    assert last_error(run.stderr) == (
+        f"error: the dataset {KERNEL_ID} is not on Kaggle: --kernel-only pushes the kernel alone, against a dataset "
+        f"pushed before ({tiny_bundle}); fix: push the dataset and the kernel: ptbr kaggle push {tiny_bundle} "
+        "(without --kernel-only)")
 
 
 def populate(fake: FakeKaggle, bundle: Path) -> None:
@@ -525,14 +633,16 @@ def test_output_downloads_every_file_and_the_log_or_nothing(fake, tiny_bundle, t
     target = tmp_path / "outputs"
     run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))
     assert run.returncode == 0, run.stderr
-    assert {name: path.read_bytes() for name, path in files_of(target).items()} == {
-        **outputs, f"{SLUG}.log": b"[ptbr-kernel] environment: ...\n"}
+    downloaded = {name: path.read_bytes() for name, path in files_of(target).items()}
+    assert json.loads(downloaded.pop(remote.DOWNLOADED)) == {"kernel": KERNEL_ID,
+                                                             "files": sorted([*outputs, f"{SLUG}.log"])}
+    assert downloaded == {**outputs, f"{SLUG}.log": b"[ptbr-kernel] environment: ...\n"}
     assert "kernel: environment ok, train ok; exit code 0" in run.stdout and "preflight: 1 pass, 1 warn" in run.stdout
     # --pattern: what matches, and what the summary reads (it said the finished kernel had not started)
     picked = tmp_path / "picked"
     run = kaggle(fake, "output", str(tiny_bundle), "--path", str(picked), "--pattern", "run/checkpoints/")
     assert run.returncode == 0, run.stderr
-    assert sorted(files_of(picked)) == sorted([layout.RUN_MARKER, "run/preflight_report.json",
+    assert sorted(files_of(picked)) == sorted([layout.RUN_MARKER, "run/preflight_report.json", remote.DOWNLOADED,
                                                "run/checkpoints/step_000001/model.safetensors", f"{SLUG}.log"])
     assert "kernel: environment ok, train ok; exit code 0" in run.stdout
     # again: the previous download is replaced whole; a file Kaggle cannot serve leaves it as it was
@@ -545,6 +655,93 @@ def test_output_downloads_every_file_and_the_log_or_nothing(fake, tiny_bundle, t
     (mine / "notes.txt").write_text("keep")
     run = kaggle(fake, "output", str(tiny_bundle), "--path", str(mine))
     assert run.returncode == 6 and (mine / "notes.txt").read_text() == "keep"  # an output directory that is not ours
+
+
+@pytest.mark.slow
+def test_output_replaces_a_previous_download_only_when_it_holds_nothing_else(fake, tiny_bundle, tmp_path):
+    """A download folder is replaced whole: files of yours put there since (notes, a run's file under
+    run/) are named and the download refused; a download from before ptbr recorded what it wrote
+    there may hold the kernel output's own names only."""
+    outputs = {layout.RUN_MARKER: b"{}", "run/train.log": b"step 1/24 | loss 7.6\n"}
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(outputs=outputs, log="log\n")
+    target = tmp_path / "outputs"
+    assert kaggle(fake, "output", str(tiny_bundle), "--path", str(target)).returncode == 0
+    (target / "NOTES.md").write_text("mine")
+    (target / "run" / "eval.txt").write_text("mine too")
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))
+    assert run.returncode == 6
+    assert last_error(run.stderr) == (
+        "error: the download folder holds something other than a previous download of this kernel's outputs "
+        f"(NOTES.md, run/eval.txt): it would be replaced ({target}); fix: move those files out of the folder, or "
+        "give a new or empty folder with --path")
+    assert (target / "NOTES.md").read_text() == "mine" and (target / "run" / "eval.txt").read_text() == "mine too"
+    (target / "NOTES.md").unlink()
+    (target / "run" / "eval.txt").unlink()
+    fake.kernels[KERNEL_ID].outputs["run/metrics.jsonl"] = b"{}\n"
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))
+    assert run.returncode == 0, run.stderr
+    assert (target / "run" / "metrics.jsonl").read_bytes() == b"{}\n"
+    # a download from before the record: the kernel's own names are replaced, anything else refused
+    (target / remote.DOWNLOADED).unlink()
+    (target / "run" / "checkpoints").mkdir()
+    (target / "run" / "checkpoints" / "old.bin").write_bytes(b"x")
+    assert kaggle(fake, "output", str(tiny_bundle), "--path", str(target)).returncode == 0
+    assert not (target / "run" / "checkpoints").exists() and (target / remote.DOWNLOADED).is_file()
+    (target / remote.DOWNLOADED).unlink()
+    (target / "mine.txt").write_text("mine")
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))
+    assert run.returncode == 6 and "(mine.txt)" in last_error(run.stderr)
+    assert (target / "mine.txt").read_text() == "mine"
+    # a path that is not the folder's plain name (it once crashed on `.`, which has none) is resolved
+    run = kaggle(fake, "output", str(tiny_bundle), "--path", str(tmp_path / "elsewhere" / ".." / "fetched"))
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "fetched" / "run" / "train.log").is_file() and not (tmp_path / "elsewhere").exists()
+
+
+def test_the_current_directory_is_no_bundle_or_download_folder(tmp_path, monkeypatch, capsys, tiny_bundle_stub):
+    """Both are replaced whole (moved aside, the new one moved in): `--output .` or `--path .` crashed
+    (`.` has no name to write beside), and would leave the shell in a removed folder."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for args in (["kaggle", "bundle", "--output", ".", "--owner", USERNAME, "--slug", SLUG],
+                 ["kaggle", "bundle", "--output", "..", "--owner", USERNAME, "--slug", SLUG],
+                 ["kaggle", "output", str(tiny_bundle_stub), "--path", "."]):
+        assert main(args) == 6, args
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        flag = "--output" if args[1] == "bundle" else "--path"
+        assert err.strip().startswith(f"error: {flag} is the current directory or holds it, and the folder is "
+                                      "replaced whole: this shell would be left in a removed folder"), err
+        assert f"fix: give a folder inside it, e.g. {flag} " in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stub", "work"] and not any(work.iterdir())
+
+
+@pytest.fixture
+def tiny_bundle_stub(tmp_path) -> Path:
+    """What read_bundle needs of a bundle (no wheels, no data)."""
+    stub = tmp_path / "stub"
+    (stub / layout.DATASET).mkdir(parents=True)
+    (stub / layout.KERNEL).mkdir()
+    (stub / layout.DATASET / layout.BUNDLE_MARKER).write_text(json.dumps({"id": KERNEL_ID, "files": {}}))
+    (stub / layout.DATASET / layout.DATASET_METADATA).write_text(json.dumps({"id": KERNEL_ID}))
+    (stub / layout.KERNEL / layout.KERNEL_METADATA).write_text(json.dumps({"id": KERNEL_ID}))
+    return stub
+
+
+def test_env_refuses_credential_names_not_words_that_hold_token():
+    from ptbr.kaggle.settings import BundleSettings
+
+    def refused(name: str) -> bool:
+        return any("a bundle holds no credentials" in p
+                   for p in BundleSettings("out", USERNAME, SLUG, env=(f"{name}=x",)).problems())
+
+    for name in ("TOKENIZERS_PARALLELISM", "NCCL_P2P_DISABLE", "PYTORCH_CUDA_ALLOC_CONF", "AUTHOR", "MONKEYPATCH"):
+        assert not refused(name), name
+    for name in ("HF_TOKEN", "TOKEN", "hf_token", "ACCESS_TOKEN", "HF_TOKEN_PATH", "API_KEY", "APIKEY",
+                 "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "MYSECRET", "DB_PASSWORD", "KAGGLE_USERNAME",
+                 "GOOGLE_APPLICATION_CREDENTIALS", "AUTH", "OAUTH_CLIENT"):
+        assert refused(name), name
 
 
 # --- the kernel, run here ------------------------------------------------------------------------------------
@@ -564,11 +761,13 @@ def kernel_env(root: Path) -> dict[str, str]:
     return env
 
 
-def run_kernel(python: Path, bundle: Path, root: Path, stop_when: str | None = None) -> tuple[int, str]:
-    """The bundle's kernel script as Kaggle runs it (cwd /kaggle/working); with `stop_when`, SIGTERM
-    once a line holding it is printed, as Kaggle ending the session does."""
+def run_kernel(python: Path, bundle: Path, root: Path, stop_when: str | None = None,
+               script: Path | None = None) -> tuple[int, str]:
+    """The bundle's kernel script (or `script`) as Kaggle runs it (cwd /kaggle/working); with
+    `stop_when`, SIGTERM once a line holding it is printed, as Kaggle ending the session does."""
     env = kernel_env(root)
-    process = subprocess.Popen([str(python), str(bundle / "kernel" / layout.KERNEL_FILE)], cwd=root / "working",
+    script = script or bundle / "kernel" / layout.KERNEL_FILE
+    process = subprocess.Popen([str(python), str(script)], cwd=root / "working",
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in process.stdout:
@@ -600,6 +799,16 @@ def torch_venv(tmp_path_factory) -> Path:
 def bare_venv(tmp_path_factory) -> Path:
     """Python without torch: what the kernel installs into is thrown away with it."""
     return make_venv(tmp_path_factory.mktemp("bare") / "venv", with_torch=False)
+
+
+def pushed_script(script: Path, folder: Path) -> Path:
+    """The kernel script as `ptbr kaggle push` sends it when it attached the previous version's
+    output: finding no run there fails the kernel."""
+    text = script.read_text()
+    assert text.count("\nEXPECT_PREVIOUS = False\n") == 1
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / layout.KERNEL_FILE).write_text(text.replace("\nEXPECT_PREVIOUS = False\n", "\nEXPECT_PREVIOUS = True\n"))
+    return folder / layout.KERNEL_FILE
 
 
 def attach(source: Path, target: Path) -> None:
@@ -638,11 +847,23 @@ def test_the_kernel_trains_stops_on_sigterm_and_the_next_version_resumes(torch_v
     assert len(steps) <= 2, "keep_last 2: the bundle's default for Kaggle's 20 GB"
     stopped_at = steps[-1]
 
-    # next version: the dataset where newer sessions mount it, and the first version's output attached
+    # a version that fails before training (here: its dataset not attached) still leaves the run in
+    # its output, so the chain of versions goes on from it (its output once held only the run marker)
+    pushed = pushed_script(tiny_bundle / "kernel" / layout.KERNEL_FILE, tmp_path / "pushed")
+    failed = tmp_path / "failed"
+    attach(working, failed / "input" / SLUG)
+    code, log = run_kernel(torch_venv, tiny_bundle, failed, script=pushed)
+    unlock(failed / "input")
+    assert code == 1 and "FAILED at stage bundle: no bundle" in log, log
+    assert json.loads((failed / "working" / layout.RUN_MARKER).read_text())["stages"] == {
+        "environment": "ok", "resume": "ok", "bundle": "failed"}
+    assert (failed / "working" / "run" / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.json").is_file()
+
+    # next version: the dataset where newer sessions mount it, and the failed version's output attached
     second = tmp_path / "second"
     attach(tiny_bundle / "dataset", second / "input" / "datasets" / USERNAME / SLUG)
-    attach(working, second / "input" / SLUG)
-    code, log = run_kernel(torch_venv, tiny_bundle, second)
+    attach(failed / "working", second / "input" / SLUG)
+    code, log = run_kernel(torch_venv, tiny_bundle, second, script=pushed)
     unlock(second / "input")
     assert code == 0, log
     run_dir = second / "working" / "run"
@@ -665,7 +886,7 @@ def test_a_failed_kernel_names_its_stage(tmp_path, tiny_bundle, bare_venv):
     code, log = run_kernel(bare_venv, tiny_bundle, tmp_path / "empty")
     assert code == 1 and f"[ptbr-kernel] FAILED at stage bundle: no bundle {KERNEL_ID} (ptbr-bundle.json)" in log
     record = json.loads((tmp_path / "empty" / "working" / layout.RUN_MARKER).read_text())
-    assert record["stages"] == {"environment": "ok", "bundle": "failed"} and record["exit_code"] == 1
+    assert record["stages"] == {"environment": "ok", "resume": "ok", "bundle": "failed"} and record["exit_code"] == 1
     # a wheel that did not arrive whole
     root = tmp_path / "truncated"
     shutil.copytree(tiny_bundle / "dataset", root / "input" / SLUG)
@@ -700,9 +921,62 @@ def test_a_kernel_whose_install_fails_says_so(tmp_path, tiny_bundle, bare_venv):
     """Without torch (Kaggle's image has it; the bundle does not), pip cannot install ptbr offline."""
     root = tmp_path / "kaggle"
     shutil.copytree(tiny_bundle / "dataset", root / "input" / "datasets" / USERNAME / SLUG)
+    previous = previous_output(tmp_path / "previous")  # a previous version's output, attached
+    attach(previous, root / "input" / SLUG)
     code, log = run_kernel(bare_venv, tiny_bundle, root)
+    unlock(root / "input")
     assert code == 1 and "[ptbr-kernel] FAILED at stage install: pip exited with 1" in log
     assert "torch" in log
+    # the run was carried into this version's output first, for the next version to resume from
+    carried = {name: path.read_bytes() for name, path in files_of(root / "working" / "run").items()}
+    assert carried == {name: path.read_bytes() for name, path in files_of(previous / "run").items()
+                       if not name.startswith("previous/")}
+    record = json.loads((root / "working" / layout.RUN_MARKER).read_text())
+    assert record["stages"] == {"environment": "ok", "resume": "ok", "bundle": "ok", "install": "failed"}
+    assert record["bundle"] == KERNEL_ID and record["resumed_from"] == str(root / "input" / SLUG / "run")
+
+
+def previous_output(folder: Path) -> Path:
+    """What a previous version of the kernel left in /kaggle/working: its run marker and run/."""
+    run = folder / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_000003" / "trainer_state.json").write_text('{"step": 3}')
+    (run / "checkpoints" / "step_000003" / "model.safetensors").write_bytes(bytes(range(256)))
+    (run / "train.log").write_text("step 3/24 | loss 7.1\n")
+    (run / "previous").mkdir()  # what a run keeps of an older one: not carried
+    (run / "previous" / "train.log").write_text("older\n")
+    (folder / layout.RUN_MARKER).write_text(json.dumps({"bundle": KERNEL_ID, "stages": {"train": "stopped"},
+                                                        "exit_code": 0}))
+    return folder
+
+
+def test_a_version_that_fails_before_training_still_carries_the_run_forward(tmp_path):
+    """The run of the previous version is copied into /kaggle/working before any stage that can
+    fail: a version failing at its bundle stage leaves it in its output, and the next version (pushed
+    expecting it: EXPECT_PREVIOUS) finds it there, however many versions failed in between."""
+    script = (ROOT / "kaggle" / "kernel.py").read_text().replace('BUNDLE_ID = ""\n', f'BUNDLE_ID = "{KERNEL_ID}"\n')
+    (tmp_path / "kernel.py").write_text(script)
+    pushed = pushed_script(tmp_path / "kernel.py", tmp_path / "pushed")
+    previous = previous_output(tmp_path / "previous")
+    expected = {name: path.read_bytes() for name, path in files_of(previous / "run").items()
+                if not name.startswith("previous/")}
+    # a bundle with a file missing: the bundle stage fails
+    broken = {"id": KERNEL_ID, "folders": [], "files": {"train-config.json": {"bytes": 2, "sha256": "0" * 64}}}
+    for version in ("first", "second"):
+        root = tmp_path / version
+        (root / "input" / "datasets" / USERNAME / SLUG).mkdir(parents=True)
+        (root / "input" / "datasets" / USERNAME / SLUG / layout.BUNDLE_MARKER).write_text(json.dumps(broken))
+        attach(previous, root / "input" / f"{SLUG}-output")
+        code, log = run_kernel(Path(sys.executable), tmp_path, root, script=pushed)
+        unlock(root / "input")
+        assert code == 1 and "[ptbr-kernel] FAILED at stage bundle: the bundle at" in log, log
+        assert f"resume: copied the previous version's run from {root / 'input' / f'{SLUG}-output' / 'run'}" in log
+        working = root / "working"
+        assert {name: path.read_bytes() for name, path in files_of(working / "run").items()} == expected
+        record = json.loads((working / layout.RUN_MARKER).read_text())
+        assert record["stages"] == {"environment": "ok", "resume": "ok", "bundle": "failed"}
+        assert record["bundle"] == KERNEL_ID and record["exit_code"] == 1
+        previous = working  # the next version attaches this one's output
 
 
 def test_the_kernel_finds_a_kaggle_model_by_its_path_not_one_layout(tmp_path):
@@ -814,9 +1088,13 @@ def test_a_kernel_without_a_gpu_fails_unless_its_settings_say_cpu(tmp_path):
 def test_a_kernel_told_to_resume_fails_when_no_previous_run_is_attached(tmp_path, monkeypatch):
     """`ptbr kaggle push` attached the previous version's output: a kernel that finds no run there
     fails, where it would quietly start the run over (and lose the sessions before)."""
-    info = {"id": KERNEL_ID, "resume_from_previous": True}
     (tmp_path / "input").mkdir()
-    assert KERNEL.restore_previous_run(tmp_path / "input", info, tmp_path / "run", tmp_path) is None
+    assert KERNEL.restore_previous_run(tmp_path / "input", KERNEL_ID, tmp_path / "run", tmp_path) is None
     monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
     with pytest.raises(KERNEL.StageFailed, match="the previous version's output was attached to resume from"):
-        KERNEL.restore_previous_run(tmp_path / "input", info, tmp_path / "run", tmp_path)
+        KERNEL.restore_previous_run(tmp_path / "input", KERNEL_ID, tmp_path / "run", tmp_path)
+    # an output holding only the run marker (what a version failing early used to leave) is no run
+    (tmp_path / "input" / "old").mkdir()
+    (tmp_path / "input" / "old" / layout.RUN_MARKER).write_text(json.dumps({"bundle": KERNEL_ID}))
+    with pytest.raises(KERNEL.StageFailed, match=f"no {layout.RUN_MARKER} of {KERNEL_ID} with its run/"):
+        KERNEL.restore_previous_run(tmp_path / "input", KERNEL_ID, tmp_path / "run", tmp_path)

@@ -271,8 +271,12 @@ def test_sessions_install_the_lock_then_the_checkout_without_dependencies(noxfil
         here = (platform.system(), platform.machine())
         assert "holds no lock" in str(quit) and (here not in noxfile.LOCKS_BY_PLATFORM or posargs)
         return
-    assert len(listed.installs) == 2, f"the lock, then the checkout: {listed.installs}"
-    lock_install, checkout_install = listed.installs
+    installs = list(listed.installs)
+    if session == "tests":  # the real tokenizer's wheel, by hash, without its dependencies, outside site-packages
+        assert installs.pop() == ("--require-hashes", "--no-deps", "--upgrade", "--target", str(tmp_path / "test-data"),
+                                  "-r", str(noxfile.TEST_DATA))
+    assert len(installs) == 2, f"the lock, then the checkout: {listed.installs}"
+    lock_install, checkout_install = installs
     assert lock_install[:2] == ("--require-hashes", "-r")
     lock = Path(lock_install[2])
     assert lock.parent == ROOT / "locks" and lock.exists()
@@ -353,3 +357,15 @@ def test_every_third_party_import_is_in_the_ci_lock():
             missing.append(f"{module} (imported in {where}; installed from {sorted(providers) or 'nothing'})")
     assert not missing, ("imported but not pinned in locks/ci.txt: add the package to pyproject.toml "
                          f"and {REGENERATE}:\n" + "\n".join(missing))
+
+
+def test_the_test_data_is_pinned_by_hash_and_holds_the_real_tokenizer(noxfile, mistral_tokenizer_model):
+    """locks/test-data.txt: exact pins with hashes; installed without dependencies into a folder of
+    its own, never importable: transformers loads a Mistral model's tokenizer through mistral-common
+    where it finds it installed (it then needs tiktoken, which nothing here pins)."""
+    entries = parse_lock(noxfile.TEST_DATA)
+    assert set(entries) == {"mistral-common"}
+    for name, entry in entries.items():
+        assert re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", entry.version) and entry.hashes, name
+    assert importlib.util.find_spec("mistral_common") is None
+    assert mistral_tokenizer_model.stat().st_size > 400_000

@@ -102,10 +102,13 @@ def test_a_finished_run_is_shown_with_the_numbers_of_its_files(finished_run):
     assert field(text, "val_loss") == (f"{vals[-1][1]:.4f} at step 8, perplexity {math.exp(vals[-1][1]):.2f} "
                                        f"(best {best:.4f} at step {best_step})")
     assert field(text, "lr") == f"{last['lr']:.2e}"
+    # each row's mem_bytes is the process's peak so far: the largest is the run's peak
+    assert [r["mem_bytes"] for r in metrics] == sorted(r["mem_bytes"] for r in metrics)
     peak = max(r["mem_bytes"] for r in metrics)
+    by_step = next(r["step"] for r in metrics if r["mem_bytes"] == peak)
     predicted = config["predicted_peak_bytes"]
-    assert field(text, "memory").endswith(f"peak {shown_size(peak)}; predicted peak "
-                                          f"{shown_size(predicted)} ({100 * peak / predicted:.0f}%)")
+    assert field(text, "memory") == (f"peak {shown_size(peak)}, reached by step {by_step}; predicted peak "
+                                     f"{shown_size(predicted)} ({100 * peak / predicted:.0f}%)")
     assert field(text, "checkpoint").startswith("step_000008, written ")
     assert "warning" not in text and "ETA" not in text
     assert snapshot(finished_run) == before  # nothing written, nothing touched

@@ -554,6 +554,12 @@ def test_fit_skips_non_finite_steps_and_stops_after_five_in_a_row(tmp_path):
     assert info.value.fix == ("start over (--resume never, or another --output) with a lower --learning-rate (a "
                               "resume keeps the run's learning rate)")
     assert read_state(tmp_path / "b" / "run" / "checkpoints" / "step_000005")["loop"]["skipped_steps"] == 4
+    # not finite from the first step on: no update was ever applied, the weights it started from are the cause
+    with pytest.raises(TrainingDiverged) as info:
+        fit_tiny(tmp_path / "c", 10, poisoned_steps={1, 2, 3, 4, 5})
+    assert info.value.fix == ("no update was ever applied, so the learning rate is not the cause: check the weights "
+                              "the run starts from (a NaN or infinity in the base model's files; `ptbr generate "
+                              "--model BASE` says whether its output is finite)")
 
 
 def test_a_checkpoint_counts_when_every_file_has_its_recorded_size_and_is_intact_with_its_hash(tmp_path):

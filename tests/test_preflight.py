@@ -483,6 +483,26 @@ def test_an_output_that_is_the_data_s_or_the_base_s_directory_fails_as_the_run_w
     assert [p.name for p in final.iterdir()] == ["model.safetensors"]
 
 
+def test_an_output_holding_a_run_is_a_warning_that_the_run_resumes_it(tmp_path, capsys):
+    """preflight passed an --output holding another run's checkpoints, and its recommended config
+    was then refused there ("the checkpoint belongs to another run: seq_len is 64 ...")."""
+    from ptbr.cli import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000020").mkdir(parents=True)
+    (run / "checkpoints" / "step_000020" / "trainer_state.json").write_text("{}")
+    (run / "checkpoints" / "step_000010").mkdir()
+    (run / "checkpoints" / "step_000010" / "trainer_state.json").write_text("{}")
+    assert main(["preflight", "--mode", "pretrain", "--model-size", "tiny", "--output", str(run)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "disk.previous_run" in line]
+    assert line.split()[0] == "WARN" and line.endswith(
+        f"{run} holds a run (checkpoints up to step_000020): the run resumes it where its settings match the "
+        "checkpoint's, and refuses other settings (this plan's among them)")
+    assert ("fix: for a new run, give a new --output, or add --resume never (the old run's files move to "
+            "OUTPUT/previous/)") in out
+
+
 def test_load_test_loads_the_base_with_its_adapter_and_fails_on_broken_weights(toy_base, tmp_path, capsys):
     """`--load-test` loads the base as `ptbr finetune` will: the weights' bytes with the adapter
     (fp32 here: 4 B a parameter, LoRA's too); truncated weights are a failed check (exit 10) naming

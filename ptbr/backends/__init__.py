@@ -42,8 +42,11 @@ class Backend(Protocol):
     device: str  # where it trains, as the library names it (cuda:0, cpu, gpu)
     precision: str  # fp32 | fp16 | bf16
     reason: str  # why this device and precision, for the log
-    host_memory: str  # what the backend set of the host's memory allocator, for the log ("": nothing)
     world: World  # this run's processes: SingleProcess, or a rank of torch's data-parallel run
+
+    def keep_freed_memory(self) -> str:
+        """Have the host's allocator keep what a step frees (a CPU's speed lever, which holds more memory
+        than the memory model predicts); what was set, for the log ("": nothing)."""
 
     def seed(self, seed: int) -> None:
         """Seed the library's global generator (LoRA dropout draws from it) at the start of a run."""

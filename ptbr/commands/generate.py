@@ -116,21 +116,32 @@ def stop_ids(tokenizer, configured, chat: bool) -> set[int]:
     (Llama-3.1-Instruct lists three), and in chat the chat template's end of a turn (ChatML's
     <|im_end|>, Llama-3's <|eot_id|>): a model fine-tuned on such a template ends its answers with
     that token, never with EOS."""
+    from ptbr.finetune.data import end_of_turn, special_ids
+
     stops = {tokenizer.eos_token_id} - {None}
     stops |= set(configured if isinstance(configured, list) else [configured] if isinstance(configured, int) else [])
     if chat:
-        marker = "\u2063ptbr\u2063"  # a text no template adds anything to
-        try:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
-                                                      {"role": "assistant", "content": marker}], tokenize=False)
-        except Exception:  # noqa: BLE001 - a template that refuses this conversation: EOS and the config's
-            rendered = ""
-        after = rendered.split(marker, 1)[1] if marker in rendered else ""
+        after = end_of_turn(tokenizer)
         ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
-        added = getattr(tokenizer, "added_tokens_decoder", {})
-        if ids and (ids[0] in tokenizer.all_special_ids or getattr(added.get(ids[0]), "special", False)):
+        if ids and ids[0] in special_ids(tokenizer):
             stops.add(ids[0])
     return stops
+
+
+def stop_text(tokenizer, chat: bool) -> str | None:
+    """In chat, the template's end of a turn where this tokenizer writes it as ordinary text (ChatML's
+    <|im_end|> on a tokenizer without that token; fine-tuning warned of it): a model fine-tuned on it
+    ends its answers with that text and no stop token, so generation stops at the text."""
+    from ptbr.finetune.data import end_of_turn, special_ids
+
+    after = end_of_turn(tokenizer).strip() if chat else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    return after if ids and ids[0] not in special_ids(tokenizer) else None
+
+
+def cut_at(text: str, stop: str | None) -> str:
+    """The answer before the stop text, where it holds one."""
+    return text.split(stop, 1)[0] if stop and stop in text else text
 
 
 def decode_new(tokenizer, prompt: list[int], new: list[int]) -> str:
@@ -158,9 +169,10 @@ def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: fl
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sampling = temperature > 0
     stops = stop_ids(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None), chat)
+    stop = stop_text(tokenizer, chat)
     config = GenerationConfig(do_sample=sampling, max_new_tokens=max_new_tokens, eos_token_id=sorted(stops),
                               pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                              else min(stops, default=None))
+                              else min(stops, default=None), stop_strings=[stop] if stop else None)
     if sampling:
         config.temperature, config.top_k = temperature, top_k
     # generate() fills what `config` leaves unset from the model's own generation config: a fresh one
@@ -168,9 +180,23 @@ def generate(tokenizer, model, prompt: str, max_new_tokens: int, temperature: fl
     model.generation_config = GenerationConfig()
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        output = model.generate(**inputs, generation_config=config)
+        output = model.generate(**inputs, generation_config=config, logits_processor=[_finite_logits],
+                                **({"tokenizer": tokenizer} if stop else {}))
     new = [int(t) for t in output[0][ids.shape[1]:] if int(t) not in stops]
-    return decode_new(tokenizer, prompt_list, new)
+    return cut_at(decode_new(tokenizer, prompt_list, new), stop)
+
+
+def _finite_logits(input_ids, scores):
+    """A model whose weights hold a NaN (a damaged file, a diverged run) gives NaN logits: sampling
+    then failed inside torch ("probability tensor contains either inf, nan"), reported as a bug in
+    ptbr, and greedy decoding picked token 0 and printed nothing. Refused at the first such token."""
+    import torch
+
+    if not bool(torch.isfinite(scores).all()):
+        raise ModelError("the model's output is not finite (NaN or infinite logits): its weights are damaged, or the "
+                         "run that made them diverged", "ptbr generate",
+                         "use another checkpoint of the run (OUTPUT/checkpoints/step_*), or copy the model's files again")
+    return scores
 
 
 def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> bool:
@@ -204,9 +230,11 @@ def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
     max_new_tokens = new_tokens_that_fit(max_positions(read_config(model_dir)), len(ids),
                                          args.max_new_tokens)
     configured = _generation_config(Path(model_dir)).get("eos_token_id")
+    stop = stop_text(tokenizer, chat)
     new = mlx_generate.generate(model, ids, stop_ids(tokenizer, configured, chat), max_new_tokens, args.temperature,
-                                args.top_k, args.seed)
-    return decode_new(tokenizer, ids, new), chat
+                                args.top_k, args.seed,
+                                until=(lambda tokens: stop in decode_new(tokenizer, ids, tokens)) if stop else None)
+    return cut_at(decode_new(tokenizer, ids, new), stop), chat
 
 
 def _generation_config(model_dir: Path) -> dict:

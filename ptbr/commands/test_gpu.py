@@ -7,6 +7,9 @@ import time
 from ptbr.commands import check_preset_request, quiet_transformers
 
 DEVICE_NAMES = {"cpu": "the CPU", "cuda": "the GPU", "mps": "Apple MPS"}
+# what the peak memory the probe prints is, per device type
+PEAK_OF = {"cuda": "the allocator's peak since the probe began",
+           "cpu": "the process's peak resident memory, interpreter and libraries included"}
 
 
 def probe_accelerator() -> dict:
@@ -64,7 +67,8 @@ def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: i
         "model_size": model_size, "parameters": count_parameters(model), "batch_size": batch_size,
         "seq_len": seq_len, "loss": result.loss, "grad_norm": result.grad_norm,
         "build_s": round(build_s, 2), "step_s": round(time.monotonic() - started, 2),
-        "peak_memory_bytes": backend.memory_bytes(),
+        # the probe's peak (ptbr.backends.torch.device.peak_memory), never the memory in use after the step
+        "peak_memory_bytes": backend.memory_bytes(), "peak_memory_of": PEAK_OF.get(placement.device.type, PEAK_OF["cpu"]),
     }
 
 
@@ -91,5 +95,5 @@ def main(args) -> int:
     r = run_probe_step(args.model_size, args.batch_size, args.seq_len, args.vocab_size, placement)
     print(f"one training step of {r['model_size']} ({r['parameters']:,} parameters) on {r['device']} in "
           f"{r['precision']}: batch {r['batch_size']} x {r['seq_len']}, loss {r['loss']:.4f}, "
-          f"step {r['step_s']} s, peak memory {r['peak_memory_bytes'] / 1024**3:.2f} GiB")
+          f"step {r['step_s']} s, peak memory {r['peak_memory_bytes'] / 1024**3:.2f} GiB ({r['peak_memory_of']})")
     return 0

@@ -103,8 +103,13 @@ def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:
             lines.append(line)
             size += len(line)
             if size >= MAX_CHUNK_CHARS:
-                yield "".join(lines), False
-                lines, size, unfinished = [], 0, True
+                # the newline that ends the piece goes with the next one: where the document ends
+                # here, it is cut as the end of every document is
+                piece = "".join(lines)
+                body = piece.rstrip("\n")
+                yield body, False
+                carry = piece[len(body):]
+                lines, size, unfinished = [carry] if carry else [], len(carry), True
     if lines or unfinished:
         yield "".join(lines).rstrip("\n"), True
 

@@ -30,6 +30,8 @@ from ptbr.outputs import enclosing_run, model_files_in
 
 META_FORMAT = "ptbr-tokens"
 DOCS_PER_BATCH = 256
+# how much of a long document's previous piece its next piece is encoded after (see _encode)
+CONTEXT_CHARS = 64
 DATASET_FILES = ("tokenizer.json", "train.bin", "val.bin", "meta.json")
 # what only a training run's directory holds (ptbr/runs/common.py RUN_FILES): a dataset never goes there
 RUN_MARKERS = ("run_config.json", "checkpoints", "training_summary.json")
@@ -166,8 +168,10 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
     with _SplitWriter(stage, dtype, val_fraction) as writer:
         texts: list[str] = []
         ends: list[bool] = []
+        contexts: list[str] = []
         for path in files:
             long_document = False
+            context = ""  # the end of the document's previous piece, where the document goes on
             for text, ends_document in iter_documents(path):
                 if not ends_document and not long_document and path.suffix.lower() == ".txt":
                     long_document = True
@@ -176,12 +180,14 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
                          "per line, write a .jsonl of {\"text\": ...} objects)")
                 texts.append(text)
                 ends.append(ends_document)
+                contexts.append(context)
+                context = "" if ends_document else text[-CONTEXT_CHARS:]
                 if len(texts) >= DOCS_PER_BATCH:
-                    writer.write(tokenizer.encode_batch(texts, add_special_tokens=False), ends, eos)
-                    texts, ends = [], []
+                    writer.write(_encode(tokenizer, texts, contexts), ends, eos)
+                    texts, ends, contexts = [], [], []
             if texts:
-                writer.write(tokenizer.encode_batch(texts, add_special_tokens=False), ends, eos)
-                texts, ends = [], []
+                writer.write(_encode(tokenizer, texts, contexts), ends, eos)
+                texts, ends, contexts = [], [], []
             progress.update(path.stat().st_size)
     progress.close()
     counts, documents = writer.tokens, writer.documents
@@ -216,6 +222,23 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
     for path in stage.iterdir():
         fsync(path)
     return meta
+
+
+def _encode(tokenizer, texts: list[str], contexts: list[str]) -> list[list[int]]:
+    """The ids of each text. A piece of a long document (see corpus.MAX_CHUNK_CHARS) is encoded after
+    the end of the piece before it (`contexts`) and keeps only its own tokens: encoded alone, a
+    SentencePiece tokenizer (Llama, Mistral) would start it with a word start (`▁`), a space the
+    document does not have. (Pieces end at a line's end; where a line longer than a piece was cut and
+    its two sides merge into one token, the piece is encoded alone.)"""
+    joined = [context + text for context, text in zip(contexts, texts, strict=True)]
+    encoded = [e.ids for e in tokenizer.encode_batch(joined, add_special_tokens=False)]
+    for index, (context, text) in enumerate(zip(contexts, texts, strict=True)):
+        if context:
+            before = tokenizer.encode(context, add_special_tokens=False).ids
+            ids = encoded[index]
+            encoded[index] = ids[len(before):] if ids[:len(before)] == before else \
+                tokenizer.encode(text, add_special_tokens=False).ids
+    return encoded
 
 
 def _swap_in(stage: Path, output: Path) -> None:
@@ -270,9 +293,9 @@ class _SplitWriter:
         self.files = {split: open(self.output / f"{split}.bin", "wb") for split in ("train", "val")}
         return self
 
-    def write(self, encodings, ends: list[bool], eos: int) -> None:
+    def write(self, encodings: list[list[int]], ends: list[bool], eos: int) -> None:
         for encoding, ends_document in zip(encodings, ends, strict=True):
-            ids = encoding.ids + [eos] if ends_document else encoding.ids
+            ids = encoding + [eos] if ends_document else encoding
             split = self.open_split or self._choose()
             if self.open_split == "val" and not self._val_short():
                 self._append("val", [eos], ends_document=True)  # val's part of the document ends here

@@ -116,6 +116,10 @@ def save_for_transformers(tokenizer_path: str | Path, directory: str | Path) -> 
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = load_tokenizer(tokenizer_path)
+    # `ptbr prepare` encodes without the tokenizer's post-processor: documents are their text's
+    # tokens, each followed by EOS. A tokenizer.json that adds a BOS (Llama's, Mistral's <s>) would
+    # start every prompt of the trained model with a token it never saw.
+    tokenizer.post_processor = None
     eos = tokenizer.id_to_token(eos_id(tokenizer))
     pad = PAD_TOKEN if tokenizer.token_to_id(PAD_TOKEN) is not None else eos
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=pad)

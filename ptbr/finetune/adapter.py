@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ptbr.errors import ConfigError, ModelError, OutputError
 from ptbr.files import write_directory
+from ptbr.outputs import enclosing_run
 
 ADAPTER_META = "ptbr_adapter.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin", "adapters.safetensors")
@@ -57,7 +58,7 @@ def check_merge_output(output: str | Path, base: str, adapter: str | Path) -> Pa
                         (("base model", Path(base).expanduser()), ("adapter", Path(adapter))),
                         earlier=lambda folder: (folder / ADAPTER_META).is_file(),
                         not_earlier="a model that no merge wrote (no ptbr_adapter.json: a base, a run's final/, or a merge by "
-                        "an older ptbr, which a new merge does not replace: move it aside)")
+                        "an older ptbr, which a new merge does not replace: move it aside)", in_a_run="merged")
 
 
 def check_export_output(output: str | Path, adapter: str | Path, base: str | None) -> Path:
@@ -77,11 +78,14 @@ def check_export_output(output: str | Path, adapter: str | Path, base: str | Non
                         earlier=exported, not_earlier="an adapter that no export wrote (a run's adapters/)")
 
 
-def check_output(output: str | Path, writing: str, thing: str, replaceable, protected, earlier, not_earlier: str) -> Path:
+def check_output(output: str | Path, writing: str, thing: str, replaceable, protected, earlier, not_earlier: str,
+                 in_a_run: str | None = None) -> Path:
     """Where `thing` may be swapped in whole by `writing`: a new or empty directory, or an earlier
     one (every file `replaceable(path)` accepts it, and `earlier(directory)` recognises it); never a
     `protected` (name, directory), inside one or around one, nor a directory of other files (a run,
-    a dataset, notes), nor one of the same files that `writing` did not write (`not_earlier`)."""
+    a dataset, notes), nor one of the same files that `writing` did not write (`not_earlier`), nor a
+    folder inside a run (its plots/, checkpoints/: `ptbr report` and a re-run would refuse or move
+    it) other than the run's own `in_a_run` folder (a fine-tuning run's merged/)."""
     path = Path(output)
     if not str(output).strip():
         raise ConfigError("--output must be a directory path, got an empty one", "--output", f"give a new directory for {thing}")
@@ -91,6 +95,11 @@ def check_output(output: str | Path, writing: str, thing: str, replaceable, prot
                                resolved in other.resolve().parents):
             raise OutputError(f"--output is or holds the {name}: {writing} would replace it", str(output),
                               f"give a new directory for {thing}")
+    outer = enclosing_run(resolved)
+    if outer is not None and not (in_a_run and resolved == outer / in_a_run):
+        raise OutputError(f"--output is inside the run {outer}, among its files: {writing} would mix with them",
+                          str(output), f"give a new directory for {thing}" +
+                          (f" ({outer / in_a_run} is the run's own place for it)" if in_a_run else ""))
     if path.exists():
         if not path.is_dir():
             raise OutputError("--output is a file", str(output), f"give a new directory for {thing}")

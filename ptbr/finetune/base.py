@@ -160,6 +160,28 @@ def check_tokenizer_fits(base: str, tokenizer, config: dict | None) -> None:
                          "use the tokenizer files that came with this model")
 
 
+SAMPLE_BYTES = 1 << 20  # read from the start, the middle and the end of each weight file
+
+
+def weights_sample(base: str) -> str | None:
+    """What identifies a base's weights for resuming, beyond fingerprint(): a hash of 1 MiB from the
+    start, the middle and the end of each weight file, so that a base retrained or re-saved in place
+    with the same shapes (same names, same sizes) is another base. A copy elsewhere is the same
+    base. None for a hub id."""
+    path = Path(base).expanduser()
+    if not path.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for pattern in WEIGHT_PATTERNS:
+        for weights in sorted(path.glob(pattern)):
+            size = weights.stat().st_size
+            with open(weights, "rb") as f:
+                for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+                    f.seek(offset)
+                    digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
 def fingerprint(base: str) -> str:
     """What identifies a base for resuming: its config.json and the names and sizes of its weight
     files (a hub id: the id itself). Cheap: the weights are not read."""

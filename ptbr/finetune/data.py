@@ -41,6 +41,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 # How many problems a DataError's one line lists before pointing to `ptbr validate-data`.
 PROBLEMS_IN_ERROR = 10
+EMPTY_FILE_FIX = ('give a file with one example per line, e.g. {"prompt": "...", "completion": "..."} '
+                  "(see README, Data formats)")
 LINES_IN_WARNING = 10
 
 
@@ -84,6 +86,8 @@ class JsonlReport:
     nothing_left: bool = False
     beyond_positions: int | None = None
     training_format: str | None = None
+    # a problem of the whole file (unreadable, empty, a JSON array): its fix, not "fix the lines"
+    file_fix: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -190,18 +194,22 @@ def inspect_jsonl(path: str | Path, tokenizer=None, max_seq_len: int | None = No
         raw = report.path.read_bytes()
     except OSError as exc:
         report.problems.append(f"cannot read the file: {exc.strerror or exc}")
+        report.file_fix = f"give a readable JSONL file (check {report.path}'s path and permissions)"
         return report
     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some Windows editors write
     if not raw.strip():
         report.problems.append("the file is empty")
+        report.file_fix = EMPTY_FILE_FIX
         return report
     if raw.lstrip().startswith(b"[") and _json_array(raw):  # a .json export: every line would be "invalid JSON"
         lines = report.path.with_name(f"{report.path.stem}.lines.jsonl")  # (never the file itself: `>` empties it)
         report.problems.append("the file is one JSON array, not JSON Lines: put each example on a line of its own "
                                f"(e.g. jq -c '.[]' {report.path} > {lines}, then give that file)")
+        report.file_fix = f"convert {report.path.name} to JSON Lines, one example per line"
         return report
     first_schema_line = None
-    for number, line in enumerate(raw.split(b"\n"), 1):
+    # Lines end in \n or \r\n (JSON ignores the \r); a file with only \r (classic Mac OS) ends them in \r.
+    for number, line in enumerate(raw.split(b"\n" if b"\n" in raw else b"\r"), 1):
         if not line.strip():
             continue  # blank lines (a trailing newline, spacing) carry no example
         try:
@@ -228,6 +236,7 @@ def inspect_jsonl(path: str | Path, tokenizer=None, max_seq_len: int | None = No
             report.records.append(Record(number, schema, value))
     if not report.records and not report.problems:
         report.problems.append("no examples in the file")
+        report.file_fix = EMPTY_FILE_FIX
     if tokenizer is not None:
         _encode_all(report, tokenizer, max_seq_len, drop_long)
     return report
@@ -260,11 +269,28 @@ def encode_record(tokenizer, record: Record) -> tuple[list[int], list[bool]]:
     if record.schema == "messages":
         return _encode_messages(tokenizer, value["messages"])
     if record.schema == "prompt_completion":
+        # The completion is tokenized as the prompt's continuation, never alone: a SentencePiece
+        # tokenizer (Llama, Mistral) starts a text tokenized alone with a word start (`▁`), a space
+        # the completion does not have ("Resposta:\n" + "Lisboa" trained as "Resposta:\n Lisboa").
         prompt = _prompt_ids(tokenizer, value["prompt"])
-        completion = _ended(_ids(tokenizer, value["completion"]), eos)
-        return prompt + completion, [False] * len(prompt) + [True] * len(completion)
+        joint = _prompt_ids(tokenizer, value["prompt"] + value["completion"])
+        kept = _shared_start(prompt, joint)
+        completion = _ended(joint[kept:], eos)
+        return joint[:kept] + completion, [False] * kept + [True] * len(completion)
     ids = _ended(_ids(tokenizer, value["text"], special=True), eos)
     return ids, [True] * len(ids)
+
+
+def _shared_start(a: list[int], b: list[int]) -> int:
+    """How many ids `a` and `b` start with in common: where a prompt ends at a token boundary, all of
+    the prompt's; where its last token merges with the text after it (a prompt ending mid-word), the
+    merged token goes to what follows."""
+    kept = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        kept += 1
+    return kept
 
 
 def _ended(ids: list[int], eos: int) -> list[int]:
@@ -302,8 +328,11 @@ def _prompt_ids(tokenizer, prompt: str) -> list[int]:
 def _encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
     """Render with the chat template, find each assistant turn as the text between the prompt
     rendered up to it (with the generation prompt) and the conversation rendered through it, and
-    tokenize the pieces separately: the prompt/answer boundary is then a token boundary, exactly
-    as at generation time, when the prompt is tokenized alone."""
+    tokenize the conversation piece after piece, each as the continuation of the text before it
+    (never alone: a SentencePiece tokenizer would start each piece with a word-start `▁`, a space
+    the template does not write). The ids are those of the whole rendered conversation; where a
+    prompt ends at a token boundary (templates end it with a marker or a newline) its ids are
+    exactly those the prompt alone gets at generation time."""
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     use_default_chat_template(tokenizer)
 
@@ -324,15 +353,31 @@ def _encode_messages(tokenizer, messages: list[dict]) -> tuple[list[int], list[b
                                   "so the assistant's tokens cannot be located; use prompt/completion instead")
         spans.append((len(before), len(through)))
         done = len(through)
+    if getattr(tokenizer, "is_fast", False):
+        return _answers_by_offsets(tokenizer, full, spans)
+    return _answers_piece_after_piece(tokenizer, full, spans)
+
+
+def _answers_by_offsets(tokenizer, full: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """A fast tokenizer: the conversation tokenized once; a token is a target where its characters
+    reach into an answer's span (one that spans a prompt's end and an answer's start goes to the
+    answer, as piece after piece does)."""
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    targets = [any(end > first and start < last for first, last in spans) for start, end in encoded["offset_mapping"]]
+    return ids, targets
+
+
+def _answers_piece_after_piece(tokenizer, full: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """A slow tokenizer (no offsets): the text up to each prompt's and each answer's end tokenized
+    in turn; the tokens beyond what the text before it gave are that piece's."""
     ids: list[int] = []
     targets: list[bool] = []
-    cursor = 0
-    for start, end in spans + [(len(full), len(full))]:
-        for piece, is_target in ((full[cursor:start], False), (full[start:end], True)):
-            piece_ids = _ids(tokenizer, piece)
-            ids += piece_ids
-            targets += [is_target] * len(piece_ids)
-        cursor = end
+    cuts = [cut for start, end in spans for cut in ((start, False), (end, True))] + [(len(full), False)]
+    for cut, is_target in cuts:  # the text up to `cut` ends a prompt (False) or an answer (True)
+        now = _ids(tokenizer, full[:cut])
+        kept = _shared_start(ids, now)
+        ids, targets = now, targets[:kept] + [is_target] * (len(now) - kept)
     return ids, targets
 
 
@@ -368,9 +413,55 @@ def _warn_of_written_special_tokens(report: JsonlReport, tokenizer) -> None:
             "text, keep them where the examples were formatted with them on purpose")
 
 
+def end_of_turn(tokenizer) -> str:
+    """The text the chat template writes after an assistant's answer ("</s>", ChatML's
+    "<|im_end|>\n"); empty where the template writes nothing there or refuses the conversation."""
+    marker = "\u2063ptbr\u2063"  # a text no template adds anything to
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                                  {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # noqa: BLE001 - jinja raises its own errors (e.g. raise_exception)
+        return ""
+    return rendered.split(marker, 1)[1] if marker in rendered else ""
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The ids of the tokenizer's special tokens, those added as special included (ChatML's <|im_end|>)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {index for index, token in added.items() if getattr(token, "special", False)}
+    return set(getattr(tokenizer, "all_special_ids", []) or []) | special
+
+
+def _warn_of_answers_that_cannot_end(report: JsonlReport, tokenizer, endless: list[int]) -> None:
+    """An answer whose tokens hold no special token (the template ends a turn with a marker this
+    tokenizer writes as ordinary text, ChatML's <|im_end|> on a tokenizer without it, and adds no
+    EOS) teaches a model no token to stop at: its answers would run to --max-new-tokens."""
+    if endless:
+        after = end_of_turn(tokenizer).strip()
+        report.warnings.append(
+            f"{len(endless)} of {len(report.records)} chat examples hold an answer that ends without a special token "
+            f"(lines {_lines(endless)}): the chat template ends a turn with {after!r}, which this tokenizer writes as "
+            f"ordinary text, and no EOS follows, so the fine-tuned model learns no token to stop at and its answers "
+            f"run on (`ptbr generate` stops at the text {after!r} instead); add {after!r} to the base's tokenizer as a "
+            f"special token, or give a chat template that ends a turn with the EOS token {tokenizer.eos_token!r}")
+
+
+def _ends_every_answer(ids: list[int], targets: list[bool], specials: set[int]) -> bool:
+    """Whether every answer (a run of target tokens) holds a special token (its end of turn)."""
+    ended = True  # the answer being read holds one so far (none is being read: True)
+    for token, target, before in zip(ids, targets, [False] + targets[:-1], strict=True):
+        if target and not before:  # an answer starts
+            if not ended:
+                return False
+            ended = False
+        ended = ended or (target and token in specials)
+    return ended
+
+
 def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_long: bool) -> None:
     _warn_of_written_special_tokens(report, tokenizer)
-    long_lines, emptied_lines = [], []
+    long_lines, emptied_lines, endless = [], [], []
+    specials = special_ids(tokenizer)
     for record in report.records:
         try:
             ids, targets = encode_record(tokenizer, record)
@@ -379,6 +470,8 @@ def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_lo
             report.rejected += 1
             continue
         report.longest = max(report.longest, len(ids))
+        if record.schema == "messages" and not _ends_every_answer(ids, targets, specials):
+            endless.append(record.line)
         if max_seq_len is not None and len(ids) > max_seq_len:
             long_lines.append(record.line)
             if drop_long:
@@ -389,6 +482,7 @@ def _encode_all(report: JsonlReport, tokenizer, max_seq_len: int | None, drop_lo
                 continue
         report.examples.append(Example(record.line, np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool)))
     report.too_long = len(long_lines)
+    _warn_of_answers_that_cannot_end(report, tokenizer, endless)
     if report.records and not report.examples and not report.problems:
         report.nothing_left = True
         report.problems.append(f"no example is left within max_seq_len {max_seq_len} (every one was dropped; "
@@ -470,8 +564,9 @@ def fix_of(reports: list[JsonlReport], lines_fix: str) -> str:
     for r in formats:
         fixes.append(f"give a validation file of {r.training_format!r} examples, as the training file holds "
                      f"(or convert {r.path.name} to that format)")
+    fixes += [r.file_fix for r in reports if r.file_fix]
     if any(len(r.problems) > r.nothing_left + (r.beyond_positions is not None) + (r.training_format is not None)
-           for r in reports):
+           + (r.file_fix is not None) for r in reports):
         fixes.append(lines_fix)
     return "; ".join(fixes) or lines_fix
 

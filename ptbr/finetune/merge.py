@@ -95,8 +95,11 @@ def apply_adapter(model, adapter: Path):
         # LoRA modules the file has no weights for, and only warns. LoRA tensors only: embedding
         # layers saved or not with the adapter are PEFT's business (and save_embedding_layers="auto"
         # would look the base up on the Hub)
-        created = get_peft_model_state_dict(adapted, save_embedding_layers=False)
-        missing = sorted({k for k in created if "lora_" in k} - load_peft_weights(str(adapter)).keys())
+        created = {k for k in get_peft_model_state_dict(adapted, save_embedding_layers=False) if "lora_" in k}
+        saved = {k for k in load_peft_weights(str(adapter)) if "lora_" in k}
+        missing = sorted(created - saved)
+        # a base with fewer layers: PEFT skips the file's tensors that no module takes, silently
+        unused = sorted(saved - created, key=_in_layer_order)
     except Exception as exc:  # noqa: BLE001 - peft raises many kinds; all mean "this adapter cannot be used here"
         reason = telling_line(exc)  # torch's first line only says "Error(s) in loading state_dict for X:"
         if "size mismatch" in str(exc) or "shape" in str(exc).lower() or "Missing key" in str(exc):
@@ -107,7 +110,16 @@ def apply_adapter(model, adapter: Path):
         raise ModelError(f"the adapter does not fit this base model: it holds no weights for {len(missing)} LoRA "
                          f"tensors this base takes (e.g. {missing[0]}): not the base it was trained on (more layers?)",
                          str(adapter), fix)
+    if unused:
+        raise ModelError(f"the adapter does not fit this base model: the base has no module for {len(unused)} of its "
+                         f"LoRA tensors (e.g. {unused[0]}): not the base it was trained on (fewer layers?)",
+                         str(adapter), fix)
     return adapted
+
+
+def _in_layer_order(key: str) -> tuple:
+    """A LoRA tensor's name, its numbers compared as numbers (layers.2 before layers.10)."""
+    return tuple(int(part) if part.isdigit() else part for part in key.split("."))
 
 
 def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_remote_code: bool,

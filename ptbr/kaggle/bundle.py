@@ -52,6 +52,7 @@ from ptbr.kaggle.layout import (
     WHEELS,
     is_bundle,
     kernel_title,
+    resolved_path,
 )
 from ptbr.kaggle.settings import BundleSettings
 from ptbr.log import log, shout
@@ -82,7 +83,7 @@ class Plan:
 def make_bundle(settings: BundleSettings) -> Path:
     """Write the bundle at settings.output (replacing a previous bundle there, never anything else)."""
     collect(settings.problems(), ConfigError, "ptbr kaggle bundle", "see `ptbr kaggle bundle --help`")
-    output = Path(settings.output)
+    output = resolved_path(settings.output, "--output")
     if output.exists() and not is_bundle(output) and (not output.is_dir() or any(output.iterdir())):
         raise OutputError("the output exists and is not a bundle: it would be replaced", str(output),
                           "give a new folder (or a previous bundle's) with --output")

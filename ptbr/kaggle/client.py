@@ -104,6 +104,10 @@ def call(api, what: str, function: Callable[..., Any], *args, absent_ok: bool = 
         if not isinstance(exc, requests.HTTPError):  # the client's own checks of metadata and ids
             raise KaggleError(f"cannot {what}: {first_line(exc)}", "Kaggle client",
                               "check the bundle's owner and slug (make the bundle again to change them)") from exc
+        if status is not None and status >= 500:
+            raise KaggleError(f"cannot {what}: Kaggle answered {http_message(exc)}", "Kaggle API",
+                              "the failure is on Kaggle's side: run the command again in a few minutes (see "
+                              "https://status.kaggle.com if it lasts)") from exc
         raise KaggleError(f"cannot {what}: Kaggle answered {http_message(exc)}", "Kaggle API",
                           "check the bundle's owner and slug, and that your account may do this") from exc
     except requests.RequestException as exc:

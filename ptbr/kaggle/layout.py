@@ -9,7 +9,7 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
-from ptbr.errors import ConfigError
+from ptbr.errors import ConfigError, OutputError
 
 # BUNDLE/dataset is uploaded as the Kaggle dataset OWNER/SLUG; BUNDLE/kernel is pushed as the
 # kernel OWNER/SLUG.
@@ -124,3 +124,16 @@ def read_bundle(path: str | Path) -> Bundle:
 
 def is_bundle(path: Path) -> bool:
     return (path / DATASET / BUNDLE_MARKER).is_file()
+
+
+def resolved_path(value: str | Path, flag: str) -> Path:
+    """A folder that ptbr replaces whole (a bundle, a download), made absolute: `.` has no name
+    to write beside. The current directory, or a folder holding it, is refused: replacing it
+    moves it aside and removes it, which would leave the shell it was given from in a removed
+    folder."""
+    path = Path(value).expanduser().resolve()
+    if Path.cwd().resolve().is_relative_to(path):
+        raise OutputError(f"{flag} is the current directory or holds it, and the folder is replaced whole: this "
+                          "shell would be left in a removed folder", str(path),
+                          f"give a folder inside it, e.g. {flag} {'kaggle-out' if flag == '--path' else 'bundle'}")
+    return path

@@ -13,17 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ptbr.errors import ConfigError, KaggleError, OutputError
-from ptbr.files import read_json, write_directory, write_json
+from ptbr.files import file_sha256, read_json, write_directory, write_json
 from ptbr.kaggle.client import call, connect, username
 from ptbr.kaggle.layout import (
+    BASE,
     BUNDLE_MARKER,
+    DATA,
+    DATASET_METADATA,
     KERNEL_FILE,
     KERNEL_METADATA,
     POLL_SECONDS,
     RUN_DIR,
     RUN_MARKER,
+    SETTINGS_FILE,
+    WHEELS,
     Bundle,
     read_bundle,
+    resolved_path,
 )
 from ptbr.log import log
 
@@ -44,25 +50,144 @@ def push(path: str, kernel_only: bool = False, waiting: Waiting = Waiting()) -> 
     """The dataset (created, or a new version of it), checked file by file once Kaggle has it, then
     the kernel. Returns the kernel's URL."""
     bundle = read_bundle(path)
+    # what is uploaded must be what the marker (and the kernel, which holds the marker's sha256) says;
+    # --kernel-only uploads no file of the dataset (whose data may have been moved away meanwhile)
+    check_the_kernel_script(bundle)
+    if not kernel_only:
+        check_local_files(bundle)
     api = connect()
     owner = bundle.dataset_id.split("/")[0]
     if username(api) and username(api) != owner:
         raise ConfigError(f"the bundle is for the Kaggle user {owner}, but the credentials are {username(api)}'s",
                           str(bundle.path), f"make the bundle again with --owner {username(api)}, or use "
                           f"{owner}'s credentials")
+    # before anything is uploaded: the kernel and the dataset of that id on Kaggle, if any, must be
+    # this bundle's (a new version would take them over), and a running version refuses the push
+    check_existing_kernel(api, bundle, kernel_only)
+    exists = call(api, f"ask about the dataset {bundle.dataset_id}", api.dataset_status, bundle.dataset_id,
+                  absent_ok=True) is not None
+    if exists:
+        check_existing_dataset(api, bundle)
     if kernel_only:
+        if not exists:
+            raise KaggleError(f"the dataset {bundle.dataset_id} is not on Kaggle: --kernel-only pushes the kernel "
+                              "alone, against a dataset pushed before", str(bundle.path),
+                              f"push the dataset and the kernel: ptbr kaggle push {bundle.path} (without "
+                              "--kernel-only)")
         log(f"dataset {bundle.dataset_id}: not uploaded again (--kernel-only)")
     else:
-        upload_dataset(api, bundle)
+        upload_dataset(api, bundle, exists)
         wait_until_ready(api, bundle.dataset_id, waiting)
     check_dataset_files(api, bundle)
     return push_kernel(api, bundle)
 
 
+# --- before anything is sent ---------------------------------------------------------------------------
+
+
+def check_the_kernel_script(bundle: Bundle) -> None:
+    """The kernel refuses a dataset whose marker is not the one it was made with (its BUNDLE_SHA256
+    line): a marker rewritten since, or a kernel folder of another bundle, would fail only on Kaggle."""
+    try:
+        script = (bundle.kernel / KERNEL_FILE).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the kernel script: {exc}", str(bundle.kernel / KERNEL_FILE),
+                          "make the bundle again") from exc
+    marker_sha256 = file_sha256(bundle.dataset / BUNDLE_MARKER)
+    if f'\nBUNDLE_SHA256 = "{marker_sha256}"\n' not in script:
+        raise ConfigError(f"the kernel script was not made with this bundle's {BUNDLE_MARKER} (its sha256 differs): "
+                          "the kernel would refuse the dataset on Kaggle", str(bundle.path),
+                          "make the bundle again (`ptbr kaggle bundle` with the same --output)")
+
+
+def check_local_files(bundle: Bundle) -> None:
+    """Every file of BUNDLE/dataset as its marker lists it (size and sha256), and no other: a
+    settings file edited or a data file deleted since the bundle was made would otherwise be
+    uploaded and fail only on Kaggle (a file sent that the marker does not list would be published
+    with the dataset)."""
+    listed = bundle.info.get("files")
+    if not isinstance(listed, dict):
+        raise ConfigError(f"{BUNDLE_MARKER} lists no files", str(bundle.dataset / BUNDLE_MARKER),
+                          "make the bundle again")
+    problems = []
+    for name, expected in sorted(listed.items()):
+        path = bundle.dataset / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != expected.get("bytes"):
+            problems.append(f"{name} has {path.stat().st_size} bytes, not {expected.get('bytes')}")
+        elif file_sha256(path) != expected.get("sha256"):
+            problems.append(f"{name} has changed (its sha256 differs)")
+    known = set(listed) | {BUNDLE_MARKER, DATASET_METADATA}
+    extra = sorted(p.relative_to(bundle.dataset).as_posix() for p in bundle.dataset.rglob("*")
+                   if (p.is_file() or p.is_symlink()) and p.relative_to(bundle.dataset).as_posix() not in known)
+    problems += [f"{name} is not one of the bundle's files" for name in extra]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        raise ConfigError(f"the bundle's files no longer match its {BUNDLE_MARKER}: {shown}", str(bundle.dataset),
+                          "make the bundle again (`ptbr kaggle bundle` with the same --output; settings go in "
+                          "its --config, not in the bundle)")
+
+
+# a ptbr kernel's log lines start so (kaggle/kernel.py's PREFIX): its source holds it
+KERNEL_SIGNATURE = "[ptbr-kernel]"
+
+
+def check_existing_kernel(api, bundle: Bundle, kernel_only: bool) -> None:
+    """A kernel of the bundle's id on Kaggle must be a ptbr kernel, and, where the bundle resumes
+    from its previous output, not still running: checked before the dataset is uploaded."""
+    kernel = bundle.kernel_id
+    state = kernel_state(api, kernel)
+    if state is None:
+        return
+    from kaggle.api.kaggle_api_extended import ApiGetKernelRequest
+
+    request = ApiGetKernelRequest()
+    request.user_name, request.kernel_slug = kernel.split("/")
+    with api.build_kaggle_client() as client:
+        response = call(api, f"look at the kernel {kernel}", client.kernels.kernels_api_client.get_kernel, request)
+    source = getattr(getattr(response, "blob", None), "source", None) or ""
+    if KERNEL_SIGNATURE not in source:
+        raise OutputError(f"Kaggle already has a kernel {kernel} that is not a ptbr kernel: pushing would replace "
+                          "its code with a new version", f"https://www.kaggle.com/code/{kernel}",
+                          "make the bundle again with another --slug")
+    if state in UNFINISHED and kernel in bundle.kernel_metadata.get("kernel_sources", []):
+        again = ("then push again" if kernel_only else
+                 "then push again (--kernel-only to start the next session without uploading the dataset again, "
+                 "when the bundle has not changed)")
+        raise KaggleError(f"the kernel {kernel} is still {state}: its output is not there to resume from, and "
+                          "nothing was uploaded", kernel,
+                          f"wait until it ends (`ptbr kaggle status {bundle.path} --wait`), {again}")
+
+
+# what a bundle's dataset holds (kept as folders, or as the archives they were sent as)
+BUNDLE_FOLDERS = (WHEELS, DATA, BASE)
+
+
+def check_existing_dataset(api, bundle: Bundle) -> None:
+    """A dataset of the bundle's id on Kaggle must be a ptbr bundle (its newest version lists
+    ptbr-bundle.json): a new version of anyone else's dataset would replace its files, and publish
+    the bundle's in a public one. A dataset an earlier push left without its marker (that file's
+    upload failed) holds only a bundle's files, its settings among them."""
+    listed = listed_files(api, bundle.dataset_id)
+    names = {PurePosixPath(name).name for name in listed}
+    if BUNDLE_MARKER in names or not listed:
+        return
+    tops = {name.split("/")[0] for name in listed}
+    ours = {BUNDLE_MARKER, SETTINGS_FILE, *BUNDLE_FOLDERS, *(f"{folder}.zip" for folder in BUNDLE_FOLDERS)}
+    if SETTINGS_FILE in listed and tops <= ours:
+        return
+    shown = ", ".join(sorted(listed)[:4]) + (", ..." if len(listed) > 4 else "")
+    raise OutputError(f"Kaggle already has a dataset {bundle.dataset_id} that is not a ptbr bundle (no "
+                      f"{BUNDLE_MARKER}; it holds {shown}): a new version would replace its files with the "
+                      "bundle's", f"https://www.kaggle.com/datasets/{bundle.dataset_id}",
+                      "make the bundle again with another --slug")
+
+
 # --- the dataset -------------------------------------------------------------------------------------
 
 
-def upload_dataset(api, bundle: Bundle) -> None:
+def upload_dataset(api, bundle: Bundle, exists: bool) -> None:
     dataset = bundle.dataset_id
     files = bundle.info["files"]  # (every file but the marker that lists them)
     count = len(files) + 1
@@ -70,7 +195,7 @@ def upload_dataset(api, bundle: Bundle) -> None:
     quiet = not sys.stdout.isatty()  # the client's progress bars, on a terminal only
     # dir_mode "zip": the client skips subfolders otherwise; each (wheels/, data/, base/) goes up as an
     # archive that Kaggle unpacks, and the kernel unpacks one itself if Kaggle has not.
-    if call(api, f"ask about the dataset {dataset}", api.dataset_status, dataset, absent_ok=True) is not None:
+    if exists:
         log(f"dataset {dataset}: uploading a new version ({count} files, {size / 1e6:.1f} MB)")
         notes = f"ptbr {bundle.info['ptbr_version']} bundle, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
         response = call(api, f"upload a new version of the dataset {dataset}", api.dataset_create_version,
@@ -253,7 +378,8 @@ def status(path: str, wait: bool = False, waiting: Waiting = Waiting()) -> str:
 
 def output(path: str, target: str, pattern: str | None = None) -> Path:
     """The kernel's newest outputs and its log, downloaded into `target` as a whole (a previous
-    download there is replaced; a folder holding anything else is refused)."""
+    download there is replaced; a folder holding anything it did not write is refused, the files
+    named), with a record of what this download wrote (DOWNLOADED)."""
     if target == "":
         raise ConfigError("--path must be a folder, got an empty path", "ptbr kaggle output", "give a new folder")
     pattern_re = None
@@ -265,23 +391,48 @@ def output(path: str, target: str, pattern: str | None = None) -> Path:
         except re.error as exc:
             raise ConfigError(f"--pattern is not a regular expression: {exc}", pattern, "fix the pattern") from exc
     bundle = read_bundle(path)
-    destination = Path(target)
+    destination = resolved_path(target, "--path")
     log_name = f"{bundle.kernel_id.split('/')[1]}.log"
-    if destination.exists() and (not destination.is_dir() or (
-            any(destination.iterdir()) and not (destination / RUN_MARKER).is_file()
-            and not (destination / log_name).is_file())):
-        raise OutputError("the download folder holds something other than a previous download of this kernel's "
-                          "outputs: it would be replaced", str(destination), "give a new or empty folder with --path")
+    if destination.exists() and not destination.is_dir():
+        raise OutputError("the download folder is a file: it would be replaced", str(destination),
+                          "give a new or empty folder with --path")
+    others = not_downloaded(destination, log_name) if destination.is_dir() else []
+    if others:
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+        raise OutputError(f"the download folder holds something other than a previous download of this kernel's "
+                          f"outputs ({shown}): it would be replaced", str(destination),
+                          "move those files out of the folder, or give a new or empty folder with --path")
     api = connect()
     counted: list[int] = []
 
     def fill(folder: Path) -> None:
         counted.append(download_outputs(api, bundle.kernel_id, folder, log_name, pattern_re))
+        written = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        write_json(folder / DOWNLOADED, {"kernel": bundle.kernel_id, "files": written})
 
     write_directory(destination, fill, "the kernel's outputs")
     log(f"kernel {bundle.kernel_id}: {counted[0]} output files and the log ({log_name}) in {destination}")
     summarize(destination)
     return destination
+
+
+# In a download folder: what the download wrote there (a later download replaces the folder whole,
+# which it may do only where it holds nothing else).
+DOWNLOADED = ".ptbr-kaggle-output.json"
+
+
+def not_downloaded(folder: Path, log_name: str) -> list[str]:
+    """The files in `folder` that no previous download wrote: those its DOWNLOADED record does not
+    list or, in a download from before that record (it holds the run marker or the kernel's log),
+    any but the kernel output's own names (the run marker, run/..., the log)."""
+    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    record = read_json(folder / DOWNLOADED)
+    if record is not None and isinstance(record.get("files"), list):
+        written = {str(name) for name in record["files"]} | {DOWNLOADED}
+        return [name for name in found if name not in written]
+    if not found or not ((folder / RUN_MARKER).is_file() or (folder / log_name).is_file()):
+        return found  # empty, or not a download at all
+    return [name for name in found if name not in (RUN_MARKER, log_name) and not name.startswith(f"{RUN_DIR}/")]
 
 
 # what summarize() reads, a few kilobytes, fetched whatever --pattern says (without them the

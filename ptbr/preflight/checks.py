@@ -56,7 +56,7 @@ def check_hardware(hw: Hardware, device: str, here: bool = True) -> list[Check]:
         low = hw.ram_available < 4 * GIB
         checks.append(Check("hardware.ram", WARN if low else PASS,
                             {"total": hw.ram_total, "available": hw.ram_available},
-                            f"RAM {gib(hw.ram_available)} available of {gib(hw.ram_total)}",
+                            f"{hw.ram_name} {gib(hw.ram_available)} available of {gib(hw.ram_total)}",
                             "close other programs: loading data and checkpoints needs RAM too" if low else None))
     for index, gpu in enumerate(hw.gpus):
         precision = "bf16" if gpu.real_bf16 else "fp16 + GradScaler (no native bf16)"
@@ -425,9 +425,17 @@ def check_output_of_its_own(settings: PretrainConfig | FinetuneConfig) -> list[C
     """What the run would refuse as its --output (exit 6; ptbr/outputs.py): the directory of its
     --data, --valid or --base, a file, a folder that holds a dataset or a model."""
     refused = input_refusal(settings) or folder_refusal(settings.output)
-    if refused is None:
-        return []
-    return [Check("disk.output", FAIL, str(settings.output), f"{refused[0]}: the run would refuse it", refused[1])]
+    if refused is not None:
+        return [Check("disk.output", FAIL, str(settings.output), f"{refused[0]}: the run would refuse it", refused[1])]
+    saved = sorted(Path(settings.output).expanduser().glob("checkpoints/step_*/trainer_state.json"))
+    if saved:  # the run resumes it, and refuses settings other than its own: the plan may not apply
+        newest = saved[-1].parent.name
+        return [Check("disk.previous_run", WARN, str(settings.output),
+                      f"{settings.output} holds a run (checkpoints up to {newest}): the run resumes it where its "
+                      "settings match the checkpoint's, and refuses other settings (this plan's among them)",
+                      "for a new run, give a new --output, or add --resume never (the old run's files move to "
+                      "OUTPUT/previous/)")]
+    return []
 
 
 def check_output(output: str, needed: int | None, one_checkpoint: int | None, in_kaggle: bool,

@@ -40,6 +40,12 @@ class Hardware:
     cpu_bf16: bool = False  # the CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch probes it
     torch_cuda: str | None = None  # the CUDA version torch was built with; None: a CPU build
     notes: list[str] = field(default_factory=list)  # what the probe could not find out, and why
+    # a container's (cgroup's) memory limit, where tighter than the RAM: ram_total and ram_available are within it
+    ram_limit: int | None = None
+
+    @property
+    def ram_name(self) -> str:
+        return "RAM" if self.ram_limit is None else "RAM (the container's memory limit)"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -78,10 +84,10 @@ def probe_hardware(use_torch: bool = True) -> Hardware:
     hardware = Hardware(os=f"{platform.system()} {platform.release()} {platform.machine()}",
                         cpu_cores=os.cpu_count() or 1, ram_total=0, ram_available=0, in_kaggle=in_kaggle())
     try:
-        import psutil
+        from ptbr.ram import ram
 
-        memory = psutil.virtual_memory()
-        hardware.ram_total, hardware.ram_available = int(memory.total), int(memory.available)
+        memory = ram()
+        hardware.ram_total, hardware.ram_available, hardware.ram_limit = memory.total, memory.available, memory.limit
     except Exception as exc:  # noqa: BLE001
         notes.append(f"RAM unknown: {type(exc).__name__}: {exc}")
     hardware.apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"

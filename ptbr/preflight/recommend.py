@@ -162,7 +162,7 @@ def memory_budget(hardware: Hardware, target: str, reasons: list[str], processes
                            f"memory available, planning for {gib(budget)}")
     else:
         reasons.append(f"{'MLX on the CPU' if target == 'mlx' else 'no GPU'}: {gib(hardware.ram_available)} of "
-                       f"{gib(hardware.ram_total)} RAM available, planning for {gib(budget)} ({fraction:.0%})")
+                       f"{gib(hardware.ram_total)} {hardware.ram_name} available, planning for {gib(budget)} ({fraction:.0%})")
     return budget
 
 

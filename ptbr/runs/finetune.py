@@ -22,6 +22,7 @@ from ptbr.finetune.base import (
     local_path,
     max_positions,
     read_config,
+    weights_sample,
 )
 from ptbr.finetune.batches import ChatBatches, collate, fixed_batches
 from ptbr.finetune.data import JsonlReport, data_paths, fix_of, inspect_pair, problems_summary
@@ -37,6 +38,7 @@ from ptbr.runs.common import (
     open_run,
     out_of_memory_is_an_error,
     predicted_peak_bytes,
+    keep_freed_memory_where_it_fits,
     refuse_a_peak_beyond_ram,
     refuse_auto_fit_in_parallel,
     start_state,
@@ -119,7 +121,8 @@ def identity(settings: FinetuneConfig, train: JsonlReport, backend) -> dict:
         digest.update(example.targets.tobytes())
     # the base by its files, not its path: a base found elsewhere (Kaggle mounts inputs where its
     # layout of the day puts them, a copy on another disk) is the same base
-    return {"mode": "finetune", "backend": backend.name, "base_files": fingerprint(settings.base), "quant": settings.quant, "lora_r": settings.lora_r,
+    return {"mode": "finetune", "backend": backend.name, "base_files": fingerprint(settings.base),
+            "base_weights": weights_sample(settings.base), "quant": settings.quant, "lora_r": settings.lora_r,
             "lora_alpha": settings.lora_alpha, "target_modules": settings.target_modules,
             "train_examples": len(train.examples), "train_data": digest.hexdigest()[:16],
             "seed": settings.seed, "effective_batch": effective_batch(settings, backend.world),
@@ -222,6 +225,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     peak = _predicted_peak(settings, backend, adapted, longest)
     if peak is not None:
         refuse_a_peak_beyond_ram(peak, backend, settings)
+    keep_freed_memory_where_it_fits(peak, backend)
     step = backend.finetune_step(adapted, settings)
     loss = backend.describe_loss(step, settings.batch_size * longest)
     if loss:

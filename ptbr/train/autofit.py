@@ -124,17 +124,17 @@ def ram_guard(needed_bytes: Callable[[int], int]) -> Callable[[int], str | None]
     """too_big for auto_fit on CPU, where running out of memory means the kernel kills the process:
     a size the memory model says does not fit in the share of the available RAM that preflight
     plans with (USABLE_FRACTION) is skipped without running."""
-    import psutil
-
     from ptbr.memory import GIB, USABLE_FRACTION
+    from ptbr.ram import ram
 
     def too_big(batch_size: int) -> str | None:
         needed = needed_bytes(batch_size)
-        available = psutil.virtual_memory().available
-        usable = USABLE_FRACTION["cpu"] * available
+        memory = ram()
+        usable = USABLE_FRACTION["cpu"] * memory.available
         if needed > usable:
             return (f"the memory model predicts {needed / GIB:.1f} GiB, more than the {usable / GIB:.1f} GiB planned "
-                    f"for ({USABLE_FRACTION['cpu']:.0%} of the {available / GIB:.1f} GiB of RAM available)")
+                    f"for ({USABLE_FRACTION['cpu']:.0%} of the {memory.available / GIB:.1f} GiB of "
+                    f"{memory.where()} available)")
         return None
 
     return too_big

@@ -241,9 +241,14 @@ def _check_finite(result: StepResult, state: LoopState, lr: float, precision: st
         f"({state.bad_in_a_row} in a row)")
     if state.bad_in_a_row >= MAX_BAD_STEPS_IN_A_ROW:
         location = source.describe(state.step - 1)
+        fp16 = ", or with --precision bf16 (or fp32): fp16 overflows where they do not" if precision == "fp16" else ""
+        if state.bad_in_a_row >= state.step:  # every step since the first: no update was ever applied
+            fix = ("no update was ever applied, so the learning rate is not the cause: check the weights the run "
+                   "starts from (a NaN or infinity in the base model's files; `ptbr generate --model BASE` says "
+                   "whether its output is finite)" + fp16)
+        else:
+            fix = ("start over (--resume never, or another --output) with a lower --learning-rate" + fp16
+                   + " (a resume keeps the run's learning rate)")
         raise TrainingDiverged(
             f"loss or gradients not finite for {state.bad_in_a_row} steps in a row (last: step {state.step}, "
-            f"lr {lr:.3e}, precision {precision}, batch {location})",
-            "training", "start over (--resume never, or another --output) with a lower --learning-rate"
-            + (", or with --precision bf16 (or fp32): fp16 overflows where they do not" if precision == "fp16" else "")
-            + " (a resume keeps the run's learning rate)")
+            f"lr {lr:.3e}, precision {precision}, batch {location})", "training", fix)

@@ -16,6 +16,9 @@ from ptbr.files import append_lines, write_text, writing
 from ptbr.log import log
 from ptbr.versions import install_extra
 
+# mem_bytes: the peak memory the run's process has reached by that step (backend.memory_bytes():
+# torch's allocator peak on a GPU, the process's peak resident set on the CPU, MLX's allocator peak),
+# not the memory in use when the row is written; ptbr.monitor.peak_memory reads the run's peak from it
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_bytes", "elapsed_s")
 TENSORBOARD_DIR = "tensorboard"
 SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mem_bytes")  # per step, under these tags

@@ -44,7 +44,6 @@ class MlxBackend:
         self.device = placement.device
         self.precision = placement.precision
         self.reason = placement.reason
-        self.host_memory = ""  # nothing set: MLX caches its own buffers
         self.world = SingleProcess()  # MLX trains in one process (data parallelism is torch's)
 
     def check_compile(self) -> None:
@@ -57,6 +56,9 @@ class MlxBackend:
         placement = resolve_precision(resolve_device(device), precision)
         log(f"MLX memory: {configure_memory(placement.device)}")
         return cls(placement)
+
+    def keep_freed_memory(self) -> str:
+        return ""  # nothing to set: MLX caches its own buffers
 
     def seed(self, seed: int) -> None:
         import mlx.core as mx

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from ptbr.backends.mlx.file_limit import load_mlx_lm
@@ -35,8 +36,9 @@ def load_for_generation(model_dir: Path, adapter: Path | None):
 
 
 def generate(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: int, temperature: float, top_k: int,
-             seed: int) -> list[int]:
-    """The new token ids after `prompt_ids`: greedy at temperature 0, else sampled among the top k."""
+             seed: int, until: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """The new token ids after `prompt_ids`: greedy at temperature 0, else sampled among the top k;
+    up to a token of `eos_ids`, or the first new tokens `until` says end the answer."""
     import mlx.core as mx
     load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.generate import generate_step
@@ -53,4 +55,6 @@ def generate(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: in
         if token in eos_ids:
             break
         tokens.append(token)
+        if until is not None and until(tokens):
+            break
     return tokens

@@ -8,8 +8,17 @@ import logging
 import sys
 from pathlib import Path
 
-from ptbr.backends.torch.allocator import keep_freed_memory
-from ptbr.backends.torch.device import Placement, resolve_device, resolve_precision
+from ptbr.backends.torch.allocator import (
+    give_back_freed_memory,
+    keep_freed_memory,
+    return_freed_memory,
+)
+from ptbr.backends.torch.device import (
+    Placement,
+    reset_peak_memory,
+    resolve_device,
+    resolve_precision,
+)
 from ptbr.backends.torch.distributed import world_from_env
 from ptbr.backends.torch.step import TorchStep, build_optimizer
 from ptbr.backends.world import SingleProcess
@@ -33,7 +42,6 @@ class TorchBackend:
         self.precision = placement.precision
         self.reason = placement.reason
         self.world = world or SingleProcess()
-        self.host_memory = ""  # what ptbr set of the host's allocator, for the start-up line ("" nothing)
 
     @classmethod
     def create(cls, device: str = "auto", precision: str = "auto", pretraining: bool = False) -> TorchBackend:
@@ -50,11 +58,16 @@ class TorchBackend:
             world.start(resolved)
             if not world.is_main:  # one rank speaks for the run; the others say only what goes wrong
                 logging.getLogger("ptbr").setLevel(logging.WARNING)
-        backend = cls(resolve_precision(resolved, precision, pretraining), world)
-        if resolved.type == "cpu" and keep_freed_memory():
-            backend.host_memory = ("glibc's malloc keeps what a step frees for the next (blocks under 32 MiB, "
-                                   "no trimming), so steps do not fault their buffers back in")
-        return backend
+        if resolved.type == "cpu":
+            return_freed_memory()  # peaks as the memory model predicts, until a run keeps freed memory
+        return cls(resolve_precision(resolved, precision, pretraining), world)
+
+    def keep_freed_memory(self) -> str:
+        """On a CPU: glibc's malloc keeps what a step frees (allocator.py); what was set, for the log."""
+        if self.placement.device.type == "cpu" and keep_freed_memory():
+            return ("glibc's malloc keeps what a step frees for the next (blocks under 32 MiB, no trimming), so "
+                    "steps do not fault their buffers back in")
+        return ""
 
     def check_compile(self) -> None:
         """--compile: refused where torch.compile cannot run here (before the run directory is made)."""
@@ -200,6 +213,9 @@ class TorchBackend:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if self.placement.device.type == "cpu":
+            give_back_freed_memory(always=True)
+        reset_peak_memory(self.placement.device)  # a try's peak is not the run's
 
 
 def shard(model) -> None:

@@ -1,4 +1,4 @@
-"""Host memory on a CPU: glibc's malloc keeps what a training step frees for the next step.
+"""Host memory on a CPU: how glibc's malloc hands freed memory back, in one of two settings.
 
 By default glibc serves a large request with its own mmap (from 128 KiB, a bar that rises with what
 is freed, up to 32 MiB) and unmaps it when freed, and it gives the heap's free top back to the
@@ -8,16 +8,26 @@ faulting on its first touch (the kernel maps and zeroes it). Measured with torch
 Xeon: `tiny` in bf16 (8 x 256) faulted 700-10,000 pages a step; `85m` (2 x 256) 24,000-32,000 a
 step in fp32 and 38,000-57,000 in bf16; each is a few microseconds of the step.
 
-ptbr's CPU runs fix the bar at glibc's largest (M_MMAP_THRESHOLD 32 MiB) and stop the trimming
-(M_TRIM_THRESHOLD at its largest), for their process: what a step frees below 32 MiB stays with
-the process and the next step reuses it (those steps then fault no page at all), as jemalloc or
-tcmalloc would (Intel's tuning guides for PyTorch on CPUs preload one for this reason); larger
-blocks still go back to the kernel. Peak resident memory stayed within a few percent of glibc's
-default over the memory model's CPU grid (benchmarks/memory_accuracy.py), except `tiny` with
-gradient checkpointing (20% more), where turning mmap off altogether (M_MMAP_MAX 0) held up to a
-quarter more at several points. Left alone: a C library other than glibc (musl, macOS), an
-allocator preloaded by the user (LD_PRELOAD naming a malloc), and malloc settings in the
-environment (glibc reads them at start-up): the user chose those.
+The rising bar also makes the peak unpredictable: once it has risen, blocks below it stay in the
+heap when freed, and micro-batches that free and ask for other sizes grow the heap. `tiny` at
+64 x 256, fp32, held 1.93 GiB in four micro-batches and 3.27 GiB at 128 x 256 in two, where the
+memory model predicts 1.24 and 1.93 GiB; with the bar fixed at 128 KiB, 1.10 and 1.79 GiB.
+
+So ptbr's CPU runs set one of two, for their process:
+- return_freed_memory (from the start): the bar fixed at 128 KiB (setting it stops it rising).
+  Freed blocks from 128 KiB go back to the kernel; peaks are the memory model's, so --auto-fit's
+  tries and the RAM guard can trust it.
+- keep_freed_memory (once a run knows its predicted peak and that peak with what keeping can add
+  fits; runs/common.py): the bar at glibc's largest (M_MMAP_THRESHOLD 32 MiB) and no trimming
+  (M_TRIM_THRESHOLD at its largest): what a step frees below 32 MiB stays with the process and
+  the next step reuses it (those steps then fault no page at all), as jemalloc or tcmalloc would
+  (Intel's tuning guides for PyTorch on CPUs preload one for this reason); larger blocks still go
+  back to the kernel. That holds more than the prediction: up to 1.76x (`tiny`, 128 x 256 in two
+  micro-batches; 1.52x at 64 x 256 in four; within a few percent over the memory model's CPU grid
+  of single micro-batches, except `tiny` with gradient checkpointing, 20% more).
+Left alone: a C library other than glibc (musl, macOS), an allocator preloaded by the user
+(LD_PRELOAD naming a malloc), and malloc settings in the environment (glibc reads them at
+start-up): the user chose those.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import os
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
 LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc's most on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+DEFAULT_MMAP_THRESHOLD = 128 * 2**10  # glibc's first bar (DEFAULT_MMAP_THRESHOLD_MIN), fixed once set
 LARGEST_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the heap's top is given back past 2 GiB free
 
 _DONE: list[bool] = []  # once per process
@@ -57,29 +68,45 @@ def user_chose_the_allocator(environ=os.environ) -> str | None:
     return ", ".join(chosen) or None
 
 
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """Set glibc's malloc parameters, unless the user chose the allocator; True where all were set."""
+    if not _glibc() or user_chose_the_allocator() is not None:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all([bool(mallopt(parameter, value)) for parameter, value in settings])
+
+
+def return_freed_memory() -> bool:
+    """Fix glibc's mmap bar at 128 KiB (see the module's docstring), unless keep_freed_memory did
+    its part already; True where it is now so."""
+    if _DONE:
+        return False
+    return _mallopt((M_MMAP_THRESHOLD, DEFAULT_MMAP_THRESHOLD))
+
+
 def keep_freed_memory() -> bool:
     """Have glibc keep freed memory in the process (see the module's docstring); once per process.
     True where it is now so, False where it was left alone."""
     if _DONE:
         return _DONE[0]
-    done = False
-    if _glibc() and user_chose_the_allocator() is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = getattr(libc, "mallopt", None)
-        if mallopt is not None:
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            done = (bool(mallopt(M_TRIM_THRESHOLD, LARGEST_TRIM_THRESHOLD))
-                    and bool(mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)))
+    done = _mallopt((M_TRIM_THRESHOLD, LARGEST_TRIM_THRESHOLD), (M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD))
     _DONE.append(done)
     return done
 
 
-def give_back_freed_memory() -> None:
+def give_back_freed_memory(always: bool = False) -> None:
     """Return what the heap holds free to the kernel (glibc's malloc_trim), where ptbr stopped the
     trimming: after loading a checkpoint, whose files were read into buffers that were copied into
     the model and freed, a resumed run otherwise kept them for good (an 85m run at 2 x 32 held 1,856
-    MiB from its first resumed step, against 1,467 MiB uninterrupted: 126% of the prediction)."""
-    if not (_DONE and _DONE[0]):
+    MiB from its first resumed step, against 1,467 MiB uninterrupted: 126% of the prediction).
+    `always`: with glibc's own settings too, whose trimming gives back only the heap's free top:
+    after --auto-fit's tries (a throwaway model and its steps) the run started with them held (`tiny`
+    at 64 x 4 x 256 in a 1.5 GiB container: nothing left of the limit, and the run was killed)."""
+    if not (always and _glibc()) and not (_DONE and _DONE[0]):
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     trim = getattr(libc, "malloc_trim", None)

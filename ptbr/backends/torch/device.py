@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -100,12 +101,56 @@ def resolve_precision(device, requested: str, pretraining: bool = False) -> Plac
     return Placement(device, requested, f"--precision {requested}")
 
 
-def memory_in_use(device) -> int:
-    """Peak bytes allocated on a GPU, or the process's resident memory on CPU."""
-    import torch
-
+def peak_memory(device) -> int:
+    """The most memory this process has held so far, the figure the memory model predicts: on a
+    CUDA GPU the allocator's peak (torch.cuda.max_memory_allocated, since the process started or
+    its peak statistics were last reset); on the CPU (and MPS) the process's peak resident set,
+    the interpreter, libraries and data loading included (peak_resident_bytes)."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import psutil
+        import torch
 
-    return int(psutil.Process().memory_info().rss)
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_resident_bytes()
+
+
+def reset_peak_memory(device) -> None:
+    """Start the peak over (after --auto-fit's tries, whose peaks are not the run's): the allocator's
+    on a GPU; on Linux the process's high-water mark (VmHWM; writing 5 to /proc/self/clear_refs
+    sets it to what is resident now). Elsewhere a CPU's peak cannot be reset and stays."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        pass
+
+
+def peak_resident_bytes() -> int:
+    """The process's peak resident set size in bytes.
+
+    Linux: VmHWM of /proc/self/status, the high-water mark of this process's own address space.
+    Not ru_maxrss there: a process started by exec from a larger one (Python's subprocess, a
+    notebook's `!ptbr ...`) inherits in ru_maxrss the peak of the process it replaced (a 10 MiB
+    child of a 1.5 GiB Python process: ru_maxrss 1.5 GiB, VmHWM 10 MiB).
+    Elsewhere getrusage's ru_maxrss: bytes on macOS, KiB on the other Unixes; on Windows (no
+    `resource` module) psutil's peak working set."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        import psutil
+
+        info = psutil.Process().memory_info()
+        return int(getattr(info, "peak_wset", info.rss))
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024

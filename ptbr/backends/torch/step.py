@@ -397,9 +397,9 @@ class TorchStep:
         self.gathered = True
 
     def memory_bytes(self) -> int:
-        from ptbr.backends.torch.device import memory_in_use
+        from ptbr.backends.torch.device import peak_memory
 
-        return memory_in_use(self.placement.device)
+        return peak_memory(self.placement.device)
 
 
 def _inputs(batch: dict) -> dict:

@@ -20,8 +20,8 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 
 def input_refusal(settings) -> tuple[str, str] | None:
     """(why, fix) where `settings.output` is the directory of the run's --data, --valid or --base
-    (a file's folder), or a folder inside one given as a directory (a dataset's, a base's: the
-    bundled sample's, inside the installed package); None where it is none of them."""
+    (a file's folder), or a folder inside a dataset's or a model's directory given as one (the
+    bundled sample's too, inside the installed package); None where it is none of them."""
     output = Path(settings.output).expanduser().resolve()
     sample = SAMPLE_DIR.resolve()
     if output == sample or sample in output.parents:  # (what a run without --data trains on)
@@ -33,7 +33,10 @@ def input_refusal(settings) -> tuple[str, str] | None:
             continue
         if (source.resolve() if source.is_dir() else source.resolve().parent) == output:
             return f"--output is the directory of --{flag} {value}", OWN_OUTPUT_FIX
-        if flag != "valid" and source.is_dir() and source.resolve() in output.parents:  # (--valid is a file)
+        # inside a dataset's or a model's directory (prepare or a new download replaces those whole);
+        # a folder of JSONL files (`--data .` in a project) may hold runs
+        inside = source.is_dir() and source.resolve() in output.parents
+        if inside and (dataset_files_in(source) or model_files_in(source)):
             return f"--output is inside the directory of --{flag} {value}", OWN_OUTPUT_FIX
     return None
 

@@ -35,6 +35,18 @@ def _reset_global_state(monkeypatch):
             handler.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_container_memory_limit(monkeypatch, tmp_path_factory):
+    """In-process runs see the machine's RAM as psutil reports it (tests fake it there), not the
+    memory limit of a container CI may run in (ptbr/ram.py reads it from the cgroup file system;
+    tests/test_ram.py gives it its own)."""
+    from ptbr import ram
+
+    nowhere = tmp_path_factory.getbasetemp() / "no-cgroup"
+    monkeypatch.setattr(ram, "CGROUP_ROOT", nowhere)
+    monkeypatch.setattr(ram, "PROC_CGROUP", nowhere / "cgroup")
+
+
 MISTRAL_TOKENIZER = Path("mistral_common") / "data" / "tokenizer.model.v1"
 
 

@@ -462,3 +462,18 @@ def test_generate_from_a_model_with_nan_weights_says_so_in_one_line(tmp_path, ca
         "error: the model's output is not finite (NaN or infinite logits): its weights are damaged, or the run that "
         "made them diverged (ptbr generate); fix: use another checkpoint of the run (OUTPUT/checkpoints/step_*), "
         "or copy the model's files again")
+
+
+def test_a_damaged_ptbr_adapter_json_is_warned_of_once_not_silently_ignored(tmp_path, capsys):
+    """merge and generate read the data format from ptbr_adapter.json: a damaged one was taken as
+    "no record" without a word (a chat adapter then generated as plain text)."""
+    from ptbr.finetune.adapter import read_adapter_meta
+    from ptbr.log import setup_console
+
+    setup_console()
+    (tmp_path / "ptbr_adapter.json").write_text("{bad")
+    assert read_adapter_meta(tmp_path) == {} and read_adapter_meta(tmp_path) == {}
+    assert read_adapter_meta(tmp_path / "none") == {}
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and f"warning: {tmp_path / 'ptbr_adapter.json'} cannot be read (Expecting " in err
+    assert "is unknown; copy the adapter directory again" in err

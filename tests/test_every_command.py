@@ -319,6 +319,8 @@ def test_finetune_validate_merge_and_generate_on_broken_inputs(toy, tmp_path, ca
         Case(["generate", "Oi", "--model", str(toy.base), "--temperature", "nan"], 2, "temperature"),
         Case(["generate", "Oi", "--model", str(toy.base), "--seed", "-5"], 2, "seed"),
         Case(["generate", "Oi", "--model", str(bases["model.safetensors:random"])], 4, ""),
+        # named as the model's config, not as "cannot load the tokenizer" (which read it first)
+        Case(["generate", "Oi", "--model", str(bases["config.json:random"])], 4, "config.json is not valid JSON"),
         Case(["generate", "Oi", "--model", str(adapter_run / "checkpoints" / "step_000001")], 4, ""),
         Case(["generate", "Oi", "--model", str(tmp_path / "m-run")], 4,
              f"fix: this is a run's directory: give its model, {tmp_path / 'm-run' / 'merged'}"),

@@ -593,6 +593,17 @@ def test_credentials_missing_or_refused_are_one_line_naming_where_kaggle_looks(f
     assert error.startswith("error: no Kaggle credentials found (Kaggle looks in KAGGLE_API_TOKEN")
     assert "~/.kaggle/access_token" in error and "kaggle.json" in error and "KAGGLE_USERNAME" in error
     assert "https://www.kaggle.com/settings/api" in error and fake.calls == []
+    # a kaggle.json the client cannot use was "no credentials found", which sent users to make new ones
+    config = fake.home / ".kaggle"
+    config.mkdir(exist_ok=True)
+    for text, why in (('{"username": "ana", "key": ', "not valid JSON ("),
+                      ('{"username": "ana"}', 'it needs "username" and "key"')):
+        (config / "kaggle.json").write_text(text)
+        (config / "kaggle.json").chmod(0o600)
+        run = kaggle(fake, "status", str(tiny_bundle), credentials="none")
+        assert run.returncode == 2
+        assert last_error(run.stderr).startswith(f"error: {config / 'kaggle.json'} is not usable: {why}"), run.stderr
+    (config / "kaggle.json").unlink()
     run = kaggle(fake, "status", str(tiny_bundle), credentials="key:wrong-key")
     assert run.returncode == 2
     assert last_error(run.stderr).startswith("error: Kaggle refused the credentials from KAGGLE_USERNAME and "
@@ -740,7 +751,8 @@ def test_env_refuses_credential_names_not_words_that_hold_token():
         assert not refused(name), name
     for name in ("HF_TOKEN", "TOKEN", "hf_token", "ACCESS_TOKEN", "HF_TOKEN_PATH", "API_KEY", "APIKEY",
                  "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "MYSECRET", "DB_PASSWORD", "KAGGLE_USERNAME",
-                 "GOOGLE_APPLICATION_CREDENTIALS", "AUTH", "OAUTH_CLIENT"):
+                 "GOOGLE_APPLICATION_CREDENTIALS", "AUTH", "OAUTH_CLIENT", "AUTHORIZATION", "HTTP_AUTHORIZATION",
+                 "MINIO_ACCESSKEYID", "SSH_PRIVATE_KEY"):
         assert refused(name), name
 
 

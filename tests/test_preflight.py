@@ -501,6 +501,9 @@ def test_an_output_holding_a_run_is_a_warning_that_the_run_resumes_it(tmp_path, 
         "checkpoint's, and refuses other settings (this plan's among them)")
     assert ("fix: for a new run, give a new --output, or add --resume never (the old run's files move to "
             "OUTPUT/previous/)") in out
+    assert main(["preflight", "--mode", "pretrain", "--model-size", "tiny", "--output", str(run), "--resume",
+                 "never"]) == 0
+    assert "disk.previous_run" not in capsys.readouterr().out
 
 
 def test_load_test_loads_the_base_with_its_adapter_and_fails_on_broken_weights(toy_base, tmp_path, capsys):

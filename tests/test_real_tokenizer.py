@@ -88,9 +88,11 @@ def test_a_tokenizer_that_adds_eos_itself(mistral_dir, tmp_path):
     for prompt, completion in PROMPTS_AND_COMPLETIONS[:3]:
         ids, targets = encode_record(tokenizer, Record(1, "prompt_completion",
                                                        {"prompt": prompt, "completion": completion}))
-        assert ids == tokenizer(prompt + completion)["input_ids"] and ids.count(2) == 1
-        assert tokenizer.decode([i for i, t in zip(ids, targets, strict=True) if t]) == completion.lstrip(" ") + "</s>" \
-            or tokenizer.decode(ids, skip_special_tokens=True) == prompt + completion
+        assert ids == tokenizer(prompt + completion)["input_ids"] and ids.count(2) == 1 and ids[-1] == 2
+        first = targets.index(True)
+        assert not any(targets[:first]) and all(targets[first:])
+        assert ids[:first] == prompt_ids(tokenizer, prompt, chat=False)  # no EOS between prompt and completion
+        assert decode_new(tokenizer, ids[:first], ids[first:-1]) == completion
 
 
 @pytest.mark.parametrize("template", ["default", "mistral-inst"])
@@ -142,6 +144,11 @@ def test_a_template_whose_end_of_turn_is_not_a_token_is_warned_of_and_generation
                               "ordinary text")
     assert stop_text(mistral, chat=True) == "<|im_end|>" and stop_ids(mistral, None, chat=True) == {2}
     assert cut_at("Olá, ação!<|im_end|>\n<|im_start|>user", "<|im_end|>") == "Olá, ação!"
+    # a template that writes nothing after an answer: nothing to stop at, said so (no "ends a turn with ''")
+    mistral.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    (warning,) = inspect_jsonl(path, mistral).warnings
+    assert "the chat template writes no end-of-turn marker and no EOS after an answer" in warning
+    assert stop_text(mistral, chat=True) is None
     mistral.chat_template = DEFAULT_CHAT_TEMPLATE  # its turns end with EOS: nothing to warn of or cut
     assert inspect_jsonl(path, mistral).warnings == [] and stop_text(mistral, chat=True) is None
     assert stop_text(mistral, chat=False) is None

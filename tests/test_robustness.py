@@ -79,6 +79,8 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
     (tmp / "no_weights").mkdir()
     (tmp / "no_weights" / "config.json").write_text('{"model_type": "mistral"}')
     tok = str(dataset / "tokenizer.json")
+    sentencepiece = tmp / "tokenizer.model"
+    sentencepiece.write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")  # a protobuf's first bytes
     out = str(tmp / "out")
     good = str(tmp / "not_json.jsonl")
     return {
@@ -93,6 +95,12 @@ def _bad_inputs(tmp: Path, dataset: Path) -> dict[str, tuple[list[str], int, str
                                   f"tokenizer is a directory, not a tokenizer.json: {tmp}"),
         "corrupt tokenizer": (["train", "--data", str(odd), "--tokenizer", str(corrupt_tok), "--output", out], 3,
                               "tokenizer.json is corrupt"),
+        # a model's folder: the file in it is named; a SentencePiece model is another format, not a corrupt file
+        "tokenizer a dataset's folder": (["train", "--data", str(odd), "--tokenizer", str(dataset), "--output", out], 3,
+                                         f"fix: give the file in it: --tokenizer {dataset / 'tokenizer.json'}"),
+        "tokenizer.model": (["train", "--data", str(odd), "--tokenizer", str(sentencepiece), "--output", out], 3,
+                            "not a tokenizer.json (a SentencePiece tokenizer.model or another format): --tokenizer takes "
+                            "the tokenizers library's JSON"),
         "seq_len above max positions": (["train", "--seq-len", "4096", "--output", out], 2, "exceeds the tiny model"),
         "batch size 0": (["train", "--batch-size", "0", "--output", out], 2, "batch_size must be a positive integer"),
         "grad accum negative": (["train", "--grad-accum", "-2", "--output", out], 2, "grad_accum must be a positive"),

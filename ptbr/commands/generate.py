@@ -69,6 +69,7 @@ def load_for_generation(model_dir: str, adapter: str | None, device, download: b
     from transformers import AutoModelForCausalLM
 
     check_base(model_dir, download, what="model")
+    read_config(model_dir)  # a damaged config.json is named as such, not as "cannot load the tokenizer"
     check_adapter_use(model_dir, adapter)
     tokenizer = load_tokenizer(model_dir, adapter, download)
     try:
@@ -221,6 +222,7 @@ def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
 
     resolve_device(args.device)
     model_dir = str(local_model_dir(args.model, args.download, "model"))
+    read_config(model_dir)  # a damaged config.json is named as such, not as "cannot load the tokenizer"
     check_adapter_use(model_dir, args.adapter)
     tokenizer = load_tokenizer(model_dir, args.adapter, args.download)
     chat = is_chat_model(model_dir, args.adapter, tokenizer, args.raw)
@@ -231,9 +233,12 @@ def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
                                          args.max_new_tokens)
     configured = _generation_config(Path(model_dir)).get("eos_token_id")
     stop = stop_text(tokenizer, chat)
+    # the newest tokens only (the stop text's own and a few more): decoding all of them at each token
+    # would grow with the answer
+    tail = len(tokenizer(stop, add_special_tokens=False)["input_ids"]) + 4 if stop else 0
     new = mlx_generate.generate(model, ids, stop_ids(tokenizer, configured, chat), max_new_tokens, args.temperature,
                                 args.top_k, args.seed,
-                                until=(lambda tokens: stop in decode_new(tokenizer, ids, tokens)) if stop else None)
+                                until=(lambda tokens: stop in tokenizer.decode(tokens[-tail:])) if stop else None)
     return cut_at(decode_new(tokenizer, ids, new), stop), chat
 
 

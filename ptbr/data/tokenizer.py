@@ -90,9 +90,20 @@ def load_tokenizer(path: str | Path):
     from tokenizers import Tokenizer
 
     path = Path(path)
+    fix = "give a tokenizer.json (the one `ptbr prepare` wrote, or a Hugging Face model's)"
     if not path.is_file():
+        if path.is_dir() and (path / "tokenizer.json").is_file():  # a model's or a dataset's folder
+            fix = f"give the file in it: --tokenizer {path / 'tokenizer.json'}"
         what = "is a directory, not a tokenizer.json" if path.is_dir() else "not found"
-        raise DataError(f"tokenizer {what}: {path}", "--tokenizer", "give the tokenizer.json written by `ptbr prepare`")
+        raise DataError(f"tokenizer {what}: {path}", "--tokenizer", fix)
+    with open(path, "rb") as f:
+        first = f.read(1)
+    if path.suffix == ".model" or (first and first not in b"{ \n\t\r\xef"):  # JSON starts with {, space or a BOM
+        # SentencePiece's tokenizer.model (a protobuf): a format of its own, not a broken tokenizer.json
+        raise DataError("not a tokenizer.json (a SentencePiece tokenizer.model or another format): --tokenizer takes "
+                        "the tokenizers library's JSON", str(path),
+                        "convert it: AutoTokenizer.from_pretrained(FOLDER).save_pretrained(OUT) writes OUT/tokenizer.json "
+                        "(FOLDER holding tokenizer.model and its tokenizer_config.json)")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ptbr.errors import ConfigError, ModelError, OutputError
 from ptbr.files import write_directory
+from ptbr.log import log
 from ptbr.outputs import enclosing_run
 
 ADAPTER_META = "ptbr_adapter.json"
@@ -120,9 +121,25 @@ def write_adapter_meta(directory: Path, meta: dict) -> None:
 
 
 def read_adapter_meta(directory: str | Path) -> dict:
-    """ptbr_adapter.json of an adapter directory; {} for adapters ptbr did not write."""
+    """ptbr_adapter.json of an adapter directory; {} for adapters ptbr did not write, and, with a
+    warning (what it records, the data format among it, is then unknown), for one that is damaged."""
+    path = Path(directory) / ADAPTER_META
     try:
-        meta = json.loads((Path(directory) / ADAPTER_META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
         return {}
-    return meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError) as exc:
+        meta = None
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+    else:
+        reason = "not a JSON object"
+    if isinstance(meta, dict):
+        return meta
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        log(f"warning: {path} cannot be read ({reason}): what it records (the data format the adapter was "
+            "trained on, its base) is unknown; copy the adapter directory again")
+    return {}
+
+
+_WARNED: set[str] = set()  # once per process

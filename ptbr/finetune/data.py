@@ -364,7 +364,11 @@ def _answers_by_offsets(tokenizer, full: str, spans: list[tuple[int, int]]) -> t
     answer, as piece after piece does)."""
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
-    targets = [any(end > first and start < last for first, last in spans) for start, end in encoded["offset_mapping"]]
+    targets, span = [], 0  # tokens and spans both go left to right: one pass
+    for start, end in encoded["offset_mapping"]:
+        while span < len(spans) and spans[span][1] <= start:  # spans that end before this token starts
+            span += 1
+        targets.append(span < len(spans) and end > spans[span][0] and start < spans[span][1])
     return ids, targets
 
 
@@ -426,10 +430,10 @@ def end_of_turn(tokenizer) -> str:
 
 
 def special_ids(tokenizer) -> set[int]:
-    """The ids of the tokenizer's special tokens, those added as special included (ChatML's <|im_end|>)."""
+    """The ids of the tokenizer's special tokens and of every token added to its vocabulary (ChatML's
+    <|im_end|>, whether flagged special or not): one token a model can learn to end a turn with."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    special = {index for index, token in added.items() if getattr(token, "special", False)}
-    return set(getattr(tokenizer, "all_special_ids", []) or []) | special
+    return set(getattr(tokenizer, "all_special_ids", []) or []) | set(added)
 
 
 def _warn_of_answers_that_cannot_end(report: JsonlReport, tokenizer, endless: list[int]) -> None:
@@ -438,6 +442,13 @@ def _warn_of_answers_that_cannot_end(report: JsonlReport, tokenizer, endless: li
     EOS) teaches a model no token to stop at: its answers would run to --max-new-tokens."""
     if endless:
         after = end_of_turn(tokenizer).strip()
+        if not after:
+            report.warnings.append(
+                f"{len(endless)} of {len(report.records)} chat examples hold an answer that ends without a special "
+                f"token (lines {_lines(endless)}): the chat template writes no end-of-turn marker and no EOS after an "
+                f"answer, so the fine-tuned model learns no token to stop at and `ptbr generate` runs to "
+                f"--max-new-tokens; give a chat template that ends a turn with the EOS token {tokenizer.eos_token!r}")
+            return
         report.warnings.append(
             f"{len(endless)} of {len(report.records)} chat examples hold an answer that ends without a special token "
             f"(lines {_lines(endless)}): the chat template ends a turn with {after!r}, which this tokenizer writes as "

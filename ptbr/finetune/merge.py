@@ -119,7 +119,7 @@ def apply_adapter(model, adapter: Path):
 
 def _in_layer_order(key: str) -> tuple:
     """A LoRA tensor's name, its numbers compared as numbers (layers.2 before layers.10)."""
-    return tuple(int(part) if part.isdigit() else part for part in key.split("."))
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split("."))
 
 
 def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_remote_code: bool,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,11 @@ def connect():
             api.authenticate()
         except SystemExit as exc:  # the client's exit(1) when it finds nothing it can use
             token = token_source()
+            broken = None if token else broken_kaggle_json()
+            if broken is not None:
+                raise ConfigError(f"{broken[0]} is not usable: {broken[1]}", "ptbr kaggle",
+                                  'write it as {"username": "YOUR_NAME", "key": "YOUR_KEY"} (the file Kaggle\'s '
+                                  '"Create Legacy API Key" gives), or ' + HOW_TO_GET_ONE) from exc
             what = (f"Kaggle did not accept the token in {token}" if token else
                     "no Kaggle credentials found")
             raise ConfigError(f"{what} (Kaggle looks in {WHERE_KAGGLE_LOOKS})", "ptbr kaggle", HOW_TO_GET_ONE) from exc
@@ -55,6 +61,25 @@ def connect():
         if line.startswith("Warning"):  # e.g. a kaggle.json that other users can read
             log(line)
     return api
+
+
+def broken_kaggle_json() -> tuple[Path, str] | None:
+    """The first kaggle.json where the client looks that it cannot use (not JSON, no username or key):
+    the client then says it found no credentials at all."""
+    folders = [Path(os.environ["KAGGLE_CONFIG_DIR"])] if os.environ.get("KAGGLE_CONFIG_DIR") else []
+    folders += [Path.home() / ".kaggle", Path.home() / ".config" / "kaggle"]
+    for folder in folders:
+        path = folder / "kaggle.json"
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return path, f"not valid JSON ({first_line(exc)})"
+        if not isinstance(value, dict) or not value.get("username") or not value.get("key"):
+            return path, 'it needs "username" and "key"'
+        return None
+    return None
 
 
 def token_source() -> str | None:

@@ -14,7 +14,8 @@ from ptbr.kaggle.layout import KAGGLE_PYTHON, STOP_AFTER_HOURS, id_problems
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # TOKEN, KEY and AUTH as the end of a name or of one of its _-separated parts (HF_TOKEN, API_KEY,
 # APIKEY, OAUTH_CLIENT, KEYS_DIR), not inside a word (TOKENIZERS_PARALLELISM, AUTHOR).
-SECRET_NAME = re.compile(r"KAGGLE|SECRET|PASSWORD|PASSWD|CREDENTIAL|(?:TOKEN|KEY|AUTH)S?(?:_|$)", re.IGNORECASE)
+SECRET_NAME = re.compile(r"KAGGLE|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTHORI[SZ]ATION|ACCESS_?KEY|PRIVATE_?KEY|"
+                         r"(?:TOKEN|KEY|AUTH)S?(?:_|$)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)

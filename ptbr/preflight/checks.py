@@ -428,7 +428,7 @@ def check_output_of_its_own(settings: PretrainConfig | FinetuneConfig) -> list[C
     if refused is not None:
         return [Check("disk.output", FAIL, str(settings.output), f"{refused[0]}: the run would refuse it", refused[1])]
     saved = sorted(Path(settings.output).expanduser().glob("checkpoints/step_*/trainer_state.json"))
-    if saved:  # the run resumes it, and refuses settings other than its own: the plan may not apply
+    if saved and settings.resume != "never":  # the run resumes it, and refuses settings other than its own: the plan may not apply
         newest = saved[-1].parent.name
         return [Check("disk.previous_run", WARN, str(settings.output),
                       f"{settings.output} holds a run (checkpoints up to {newest}): the run resumes it where its "

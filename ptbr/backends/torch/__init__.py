@@ -98,6 +98,8 @@ class TorchBackend:
         from ptbr.backends.torch.models import build_model
 
         model = build_model(preset, vocab_size, eos_id, settings.seed, pad_id).to(self.placement.device)
+        # the run's peak from here: not what the process held before (a notebook's earlier work)
+        reset_peak_memory(self.placement.device)
         if settings.gradient_checkpointing:
             # non-reentrant: the recomputation that DDP's gradient hooks and PEFT support
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -137,6 +139,7 @@ class TorchBackend:
             raise ConfigError("--fsdp is for pretraining: a fine-tuning run copies its (4-bit) base to every GPU "
                               "and trains the small adapter data-parallel", "--fsdp", "leave --fsdp out")
         model = adapted.model
+        reset_peak_memory(self.placement.device)  # the run's peak from here: not the base's loading
         step = TorchStep(model, build_optimizer(model, settings, self.placement.device), self.placement,
                          settings.max_grad_norm, self.world, self.parallel(model),
                          chunked_loss=settings.chunked_loss, right_padded=True)

@@ -50,6 +50,7 @@ LOCKS_BY_PLATFORM = {
 # tokenizers through it): Mistral-7B's SentencePiece model from mistral-common (see the file).
 # The tests find the folder through PTBR_TEST_DATA.
 TEST_DATA = ROOT / "locks" / "test-data.txt"
+TEST_DATA_DIR = ROOT / ".cache" / "test-data"  # git-ignored, kept between runs
 # Installer tooling that a virtual environment starts with; a lock need not name it.
 SEEDED = {"pip", "setuptools", "wheel"}
 
@@ -155,7 +156,9 @@ def install_locked(session: nox.Session, lock: Path) -> None:
 def tests(session: nox.Session) -> None:
     """The whole test suite (tiny models, real CLI, real QLoRA on CPU, real container build)."""
     install_locked(session, lock_for(session, "tests"))
-    data = Path(session.create_tmp()) / "test-data"
+    # (not session.create_tmp(): it points TMPDIR into .nox/, inside this repository, where the image
+    # test's copy of the checkout then found this repository's git instead of its own)
+    data = TEST_DATA_DIR
     session.install("--require-hashes", "--no-deps", "--upgrade", "--target", str(data), "-r", str(TEST_DATA))
     session.run("pytest", *session.posargs, env={"PTBR_TEST_DATA": str(data)})
 

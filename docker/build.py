@@ -239,7 +239,13 @@ def project_version() -> str:
 
 
 def git(*args: str) -> str | None:
+    """git's answer about this checkout; None where there is no git, or ROOT is not a repository's
+    top but a folder inside another's (a copy of the checkout under an ignored .nox/ or build
+    folder: that repository's files are not this checkout's)."""
     try:
+        top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT.resolve():
+            return None
         result = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
     except OSError:
         return None

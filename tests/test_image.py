@@ -27,6 +27,28 @@ PODMAN_RUN = ["--runtime", "runc", "--ulimit", "nofile=20000:20000", "--ulimit",
 # --- the Dockerfile (fast, no container tools needed) ------------------------------------------
 
 
+def test_a_copy_of_the_checkout_inside_another_repository_is_built_from_its_own_files(tmp_path):
+    """The image test copies the checkout to pytest's temporary folder; where that folder is inside
+    another git repository (nox's TMPDIR under .nox/, ignored there), `git ls-files` answered for
+    that repository: no file of the copy was listed, and the wheel's build found no source."""
+    outer = tmp_path / "outer"
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    (outer / ".gitignore").write_text("ignored/\n")
+    copy = outer / "ignored" / "checkout"
+    for name in ("docker/build.py", "pyproject.toml", "ptbr/__init__.py", "README.md"):
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, copy / name)
+    spec = importlib.util.spec_from_file_location("ptbr_build_copy", copy / "docker" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        assert module.git("ls-files") is None  # not this copy's repository
+        assert sorted(map(str, module.checkout_files())) == ["README.md", "ptbr/__init__.py", "pyproject.toml"]
+    finally:
+        del sys.modules[spec.name]
+
+
 def instructions(keyword: str) -> list[str]:
     return re.findall(rf"^{keyword}\s+(.+)$", DOCKERFILE, re.MULTILINE)
 

@@ -273,7 +273,7 @@ def test_sessions_install_the_lock_then_the_checkout_without_dependencies(noxfil
         return
     installs = list(listed.installs)
     if session == "tests":  # the real tokenizer's wheel, by hash, without its dependencies, outside site-packages
-        assert installs.pop() == ("--require-hashes", "--no-deps", "--upgrade", "--target", str(tmp_path / "test-data"),
+        assert installs.pop() == ("--require-hashes", "--no-deps", "--upgrade", "--target", str(noxfile.TEST_DATA_DIR),
                                   "-r", str(noxfile.TEST_DATA))
     assert len(installs) == 2, f"the lock, then the checkout: {listed.installs}"
     lock_install, checkout_install = installs

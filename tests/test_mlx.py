@@ -465,6 +465,13 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
 
     answer = generate("--backend", "mlx", "--model", str(toy.base), "--adapter", adapters)
     assert answer.strip() and "Qual é" not in answer  # the chat template: an answer, not a continuation
+    # `until` (a chat template's end of turn written as text): generation ends at the first new tokens it names
+    from ptbr.backends.mlx import generate as mlx_generate
+
+    model = mlx_generate.load_for_generation(toy.base, None)
+    free = mlx_generate.generate(model, [1, 5, 9], set(), 6, 0.0, 0, 0)
+    assert len(free) == 6
+    assert mlx_generate.generate(model, [1, 5, 9], set(), 6, 0.0, 0, 0, until=lambda new: len(new) == 2) == free[:2]
     assert generate("--backend", "torch", "--model", str(toy.base), "--adapter", adapters) == answer
     sampled = []  # --top-k of the vocabulary or more: every token, as on torch (mlx-lm raised, exit 1)
     for top_k in ("0", "1000000"):

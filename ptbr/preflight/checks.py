@@ -54,10 +54,12 @@ def check_hardware(hw: Hardware, device: str, here: bool = True) -> list[Check]:
         checks.append(Check("hardware.ram", WARN, None, "RAM could not be read", "install psutil"))
     else:
         low = hw.ram_available < 4 * GIB
+        more = ("raise the container's memory limit (e.g. docker run --memory 16g)" if hw.ram_limit else
+                "close other programs")
         checks.append(Check("hardware.ram", WARN if low else PASS,
                             {"total": hw.ram_total, "available": hw.ram_available},
                             f"{hw.ram_name} {gib(hw.ram_available)} available of {gib(hw.ram_total)}",
-                            "close other programs: loading data and checkpoints needs RAM too" if low else None))
+                            f"{more}: loading data and checkpoints needs RAM too" if low else None))
     for index, gpu in enumerate(hw.gpus):
         precision = "bf16" if gpu.real_bf16 else "fp16 + GradScaler (no native bf16)"
         checks.append(Check(f"hardware.gpu{index}", PASS, asdict(gpu),

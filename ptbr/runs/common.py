@@ -249,45 +249,37 @@ def out_of_memory_is_an_error(backend) -> Iterator[None]:
                           "written") from exc
 
 
-def refuse_a_peak_beyond_ram(predicted: int, backend, settings) -> None:
-    """On a CPU a run that runs out of memory is killed by the kernel: no line, exit 137, a run
-    directory that looks dead, and other programs on the machine may go with it. A torch run in one
-    process on a CPU whose predicted peak (the runtime and the weights included) needs more than
-    this process holds now plus the memory still free (RAM available, and free swap) is refused,
-    exit 5; --auto-fit picks a micro-batch that fits instead. (MLX's unified memory on a Mac is not
-    judged by these numbers: macOS compresses and purges, and psutil's "available" says little.)"""
-    if settings.auto_fit or backend.name == "mlx" or backend.device.split(":")[0] != "cpu" or backend.world.size > 1:
-        return
-    import psutil
+def plan_host_memory(predicted: int | None, backend, settings) -> None:
+    """A torch run on a CPU, once its predicted peak (the runtime and the weights included) is known,
+    against what this process holds now and the memory still free (RAM available, a container's
+    memory limit where it has one; ptbr/ram.py):
 
-    from ptbr.ram import ram
-
-    held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
-    memory = ram()
-    # swap helps only where no memory limit caps the process (a container's limit counts swap apart)
-    free = memory.available + (psutil.swap_memory().free if memory.limit is None else 0)
-    if predicted - held > free:
-        more = (predicted - held) / 2**30
-        what = f"under {memory.where()} ({memory.limit / 2**30:.1f} GiB)" if memory.limit else "(RAM and swap)"
-        raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {more:.1f} "
-                          f"GiB more than this process holds, and {free / 2**30:.1f} GiB is free {what}: "
-                          "the kernel would kill the run", f"--batch-size {settings.batch_size}", OUT_OF_MEMORY_FIX)
-
-
-def keep_freed_memory_where_it_fits(predicted: int | None, backend) -> None:
-    """The CPU speed lever of keeping freed memory (backends/torch/allocator.py) holds more than the
-    memory model predicts: glibc's heap grows with what micro-batches free and ask for in other
-    sizes (`tiny` at 64 x 256, fp32: 1.16x the predicted peak in one micro-batch, 1.52x in four;
-    1.76x at 128 x 256 in two; with freed blocks returned 0.88-0.93x). Kept only where the
-    predicted peak that much larger still fits the RAM available (a container's memory limit where
-    it has one), without swap; otherwise freed blocks keep going back, and the log says why."""
+    - The run is refused (exit 5) where the peak needs more than that and free swap: out of memory,
+      the kernel kills it, no line, exit 137, a run directory that looks dead. Not with --auto-fit
+      (it picks a micro-batch that fits), not for several processes, not on MLX (macOS's unified
+      memory compresses and purges: "available" says little there).
+    - The speed lever of keeping freed memory (backends/torch/allocator.py) is set only where the
+      peak times FREED_MEMORY_HELD still fits, without swap: glibc's heap grows with what
+      micro-batches free and ask for in other sizes (`tiny` at 64 x 256, fp32: 1.16x the predicted
+      peak in one micro-batch, 1.52x in four; 1.76x at 128 x 256 in two; with freed blocks returned
+      0.88-0.93x). Otherwise freed blocks keep going back, and the log says why."""
     if predicted is not None and backend.name == "torch" and backend.device.split(":")[0] == "cpu":
         import psutil
 
         from ptbr.ram import ram
 
+        held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
         memory = ram()
-        held = psutil.Process().memory_info().rss
+        if not settings.auto_fit and backend.world.size == 1:
+            # swap helps only where no memory limit caps the process (a container's limit counts swap apart)
+            free = memory.available + (psutil.swap_memory().free if memory.limit is None else 0)
+            if predicted - held > free:
+                more = (predicted - held) / 2**30
+                what = f"under {memory.where()} ({memory.limit / 2**30:.1f} GiB)" if memory.limit else "(RAM and swap)"
+                raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {more:.1f} "
+                                  f"GiB more than this process holds, and {free / 2**30:.1f} GiB is free {what}: "
+                                  "the kernel would kill the run", f"--batch-size {settings.batch_size}",
+                                  OUT_OF_MEMORY_FIX)
         if predicted * FREED_MEMORY_HELD - held > memory.available:
             log(f"glibc's malloc returns what steps free: keeping it (faster steps on a CPU) can hold "
                 f"{FREED_MEMORY_HELD:.1f}x the predicted peak of {predicted / 2**30:.1f} GiB, more than the "

@@ -38,8 +38,7 @@ from ptbr.runs.common import (
     open_run,
     out_of_memory_is_an_error,
     predicted_peak_bytes,
-    keep_freed_memory_where_it_fits,
-    refuse_a_peak_beyond_ram,
+    plan_host_memory,
     refuse_auto_fit_in_parallel,
     start_state,
     warn_if_warmup_outlasts_the_run,
@@ -224,8 +223,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     longest = max(len(e.ids) for e in train.examples) - 1  # tokens in a row of the worst micro-batch
     peak = _predicted_peak(settings, backend, adapted, longest)
     if peak is not None:
-        refuse_a_peak_beyond_ram(peak, backend, settings)
-    keep_freed_memory_where_it_fits(peak, backend)
+        plan_host_memory(peak, backend, settings)
     step = backend.finetune_step(adapted, settings)
     loss = backend.describe_loss(step, settings.batch_size * longest)
     if loss:

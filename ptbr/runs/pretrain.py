@@ -32,8 +32,7 @@ from ptbr.runs.common import (
     open_run,
     out_of_memory_is_an_error,
     predicted_peak_bytes,
-    keep_freed_memory_where_it_fits,
-    refuse_a_peak_beyond_ram,
+    plan_host_memory,
     refuse_auto_fit_in_parallel,
     start_state,
     warn_if_warmup_outlasts_the_run,
@@ -96,8 +95,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     pad_id = dataset.meta.get("pad_id") if dataset.meta else None
     peak = predicted_peak_bytes(settings, Architecture.from_preset(preset, dataset.vocab_size), backend,
                                 settings.batch_size, settings.seq_len)
-    refuse_a_peak_beyond_ram(peak, backend, settings)
-    keep_freed_memory_where_it_fits(peak, backend)
+    plan_host_memory(peak, backend, settings)
     step = backend.pretrain_step(preset, dataset.vocab_size, dataset.eos_id, pad_id, settings)
     n_params = backend.parameter_count(step)
     log(f"model {preset.name}: {n_params:,} parameters, vocab {dataset.vocab_size}, seq_len {settings.seq_len}")

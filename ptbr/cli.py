@@ -9,6 +9,7 @@ third-party warnings that are otherwise filtered. Output piped into a reader tha
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import logging
 import os
@@ -322,6 +323,19 @@ def _keep_the_outcome(code: int) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, leave)
+    # Python's handlers end where the interpreter's teardown begins (it puts the default back, which
+    # ends the process by the signal), yet modules are torn down after that (torch's: the second
+    # above): ignored from the last exit hook on, the signals leave the code alone. (Non-daemon
+    # threads are joined before the exit hooks run, so nothing can wait on them then.)
+    atexit.unregister(_ignore_stop_signals)
+    atexit.register(_ignore_stop_signals)
+
+
+def _ignore_stop_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _forget_caught_interrupts() -> None:
@@ -454,6 +468,12 @@ def _command(args) -> int:
     except Exception as exc:  # noqa: BLE001 - the last line of defence: one line + a crash report
         if debug:
             traceback.print_exc()
+        from ptbr.commands import stopped_by_another_rank
+
+        stopped = stopped_by_another_rank(exc, args.command)
+        if stopped is not None:  # not this rank's crash: the launcher names the rank that went first
+            _say(stopped.one_line())
+            return stopped.exit_code
         from ptbr.crash import write_crash_report
 
         report = write_crash_report(args, exc)

@@ -1,7 +1,7 @@
 """Every file ptbr writes goes through here: whole directories and single files are written aside,
 fsynced, then swapped in, and a full disk, a file-size limit or a quota is one OutputError (exit 6)
 that says the previous version is intact, whichever library was writing (Python, torch.save,
-safetensors, tokenizers).
+safetensors, tokenizers, MLX).
 
 Checkpoints, the final model, adapters, merged models, token datasets, metrics, reports, run
 configs and summaries all use these functions, so a crash or a full disk at any moment leaves the
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ptbr.errors import OutputError
+from ptbr.versions import image_variant
 
 # Prefixes of what a write in progress puts beside its target; a crash can leave them behind.
 # ptbr's own names for what it writes aside (tmp) or moves aside (old): `.tmp-NAME.ptbr-PID`, a
@@ -47,11 +48,16 @@ def written_aside(name: str) -> str | None:
 
 OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # How libraries that hide the errno report the same thing: safetensors (Rust) keeps the OS text,
-# torch.save's C++ writer only says that it could not write ("unexpected pos ..."), which is a full
-# disk where little space is left, and an I/O error or a file system gone read-only elsewhere.
 OUT_OF_SPACE_TEXT = re.compile(
     r"no space left|file too large|quota exceeded|os error (28|27|122)\b|StorageFull|FileTooLarge", re.IGNORECASE)
-WRITE_FAILED_TEXT = re.compile(r"unexpected pos|PytorchStreamWriter failed", re.IGNORECASE)
+# while torch.save's C++ writer ("unexpected pos ...") and MLX's (mx.save_safetensors: "[write] Unable to write N
+# bytes to file.", or "[save_safetensors] Failed to open file F" where a quota refuses a new file) only say that
+# they could not write: a full disk where little space is left or a file size limit is set, and an I/O error, a
+# quota or a file system gone read-only elsewhere. By the library that wrote, as the message names it.
+WRITE_FAILED_TEXT = {
+    "torch": re.compile(r"unexpected pos|PytorchStreamWriter failed", re.IGNORECASE),
+    "MLX": re.compile(r"\[write\] Unable to write|\[save(_safetensors)?\] Failed to open", re.IGNORECASE),
+}
 LOW_SPACE = 256 * 1024 * 1024  # below this much free space, a write that failed for no said reason is a full disk
 
 
@@ -70,9 +76,15 @@ def out_of_space(exc: BaseException) -> bool:
                for e in _chain(exc))
 
 
-def _unexplained_write_failure(exc: BaseException) -> bool:
-    """A write that failed without saying why (torch.save's C++ writer), anywhere in the chain."""
-    return any(not isinstance(e, OSError) and WRITE_FAILED_TEXT.search(str(e)) for e in _chain(exc))
+def _unexplained_write_failure(exc: BaseException) -> str | None:
+    """The library ("torch", "MLX") whose writer failed without saying why, anywhere in the chain;
+    None where no such failure is there."""
+    for e in _chain(exc):
+        if not isinstance(e, OSError):
+            for library, text in WRITE_FAILED_TEXT.items():
+                if text.search(str(e)):
+                    return library
+    return None
 
 
 def _file_size_limited() -> bool:
@@ -95,7 +107,7 @@ def _free_bytes(path: Path) -> int:
 def write_error(exc: BaseException, what: str, where: Path | str, fix: str | None = None) -> OutputError | None:
     """The OutputError for a failed write of `what`, or None when `exc` is not about writing."""
     unexplained = _unexplained_write_failure(exc)
-    # torch's reasonless failure is a full disk (or the size limit) where that is the likely cause
+    # torch's or MLX's reasonless failure is a full disk (or the size limit) where that is the likely cause
     if out_of_space(exc) or (unexplained and (_free_bytes(Path(where)) < LOW_SPACE or _file_size_limited())):
         return OutputError(f"the disk filled up (or a file size limit or quota was hit) while writing {what}: "
                            f"{first_line(exc)}", str(where),
@@ -108,11 +120,11 @@ def write_error(exc: BaseException, what: str, where: Path | str, fix: str | Non
                errno.EROFS: "the file system is read-only: choose another output path"}.get(
             exc.errno, "check the permissions and free space of the output directory")
         return OutputError(f"cannot write {what}: {exc.strerror or exc}", str(where), fix)
-    if unexplained:  # torch.save's writer, with space left and no size limit
+    if unexplained:  # torch's or MLX's writer, with space left and no size limit
         free = _free_bytes(Path(where)) / 1024**3
-        return OutputError(f"cannot write {what}: {first_line(exc)} (torch gives no reason; {free:.1f} GiB are free "
-                           "there)", str(where), "check the output's disk: a quota, an I/O error, or a file system "
-                           "gone read-only; what was saved before is intact")
+        return OutputError(f"cannot write {what}: {first_line(exc)} ({unexplained} gives no reason; {free:.1f} GiB are "
+                           "free there)", str(where), "check the output's disk: a quota, an I/O error, or a file "
+                           "system gone read-only; what was saved before is intact")
     return None
 
 
@@ -219,6 +231,49 @@ def append_lines(path: Path, lines: list[str], what: str) -> None:
     """Append whole lines (a log-like file: a line cut by a crash is dropped by its reader)."""
     with writing(what, path), open(path, "a", encoding="utf-8", newline="") as f:
         f.write("".join(lines))
+
+
+# What a file manager leaves in any folder it shows (Finder, Windows Explorer): never a user's work,
+# so a folder holding only these counts as empty, and none of them as "other files" to refuse over
+OS_LITTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
+
+
+def is_litter(path: str | Path) -> bool:
+    """A file manager's own file (OS_LITTER, or macOS's `._NAME` beside a file on a foreign disk)."""
+    name = Path(path).name
+    return name in OS_LITTER or name.startswith("._")
+
+
+def unwritable_fix(exc: OSError | None = None) -> str:
+    """The fix for an --output this process may not write. In ptbr's images ptbr runs as the image's
+    user, and a folder mounted from the host belongs to a host user: another path would not help."""
+    variant = image_variant()
+    if variant and (exc is None or exc.errno in (errno.EACCES, errno.EPERM)):
+        return (f"the ptbr-{variant} image runs as uid {os.getuid()}: on the host, give it the mounted folder "
+                f"(chown {os.getuid()}:{os.getgid()} FOLDER), or run the container as yourself "
+                '(--user "$(id -u):$(id -g)")')
+    return "choose a path you can write to with --output"
+
+
+def unreadable_fix() -> str:
+    """The fix for input files (data, a model) this process may not read."""
+    variant = image_variant()
+    if variant:
+        return (f"the ptbr-{variant} image runs as uid {os.getuid()}: on the host, make the files readable by it "
+                '(chmod -R a+rX FOLDER), or run the container as yourself (--user "$(id -u):$(id -g)")')
+    return "make them readable by this user (chmod a+r FILE, chmod a+rx FOLDER)"
+
+
+def unreadable(paths) -> list[Path]:
+    """Those of `paths` that exist and this process may not read (a folder: list and enter)."""
+    found = []
+    for path in map(Path, paths):
+        try:
+            if path.exists() and not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+                found.append(path)
+        except PermissionError:  # its folder cannot be entered
+            found.append(path)
+    return found
 
 
 def first_missing(path: Path) -> Path | None:

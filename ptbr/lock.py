@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ptbr.errors import OutputError
+from ptbr.files import unwritable_fix
 from ptbr.log import log
 
 LOCK_FILE = ".ptbr.lock"
@@ -34,15 +35,13 @@ class RunLock:
             raise gone from None
         except OSError as exc:  # no permission, a read-only file system
             raise OutputError(f"cannot write in the output directory: {exc.strerror or exc}", str(self.path.parent),
-                              "choose a path you can write to with --output") from None
+                              unwritable_fix(exc)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             owner = _read_owner(fd)
             os.close(fd)
-            raise OutputError(f"another ptbr run (PID {owner.get('pid', '?')} on {owner.get('host', '?')}) is using "
-                              "this output directory", str(self.path.parent),
-                              "wait for it to finish, stop it, or choose another --output") from None
+            raise _in_use(self.path.parent, owner) from None
         try:  # the lock is the file at this path still, not one a removal unlinked in between
             same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -95,6 +94,29 @@ def held_if_free(run_dir: Path) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)  # (closing releases the lock)
+
+
+def refuse_if_in_use(run_dir: Path) -> None:
+    """Raise the refusal RunLock.acquire gives where another process holds run_dir's lock now; else
+    nothing (no lock file, or one nobody holds). A --num-processes launcher asks before it starts
+    any worker: its rank 0 takes the lock only after every worker has imported torch and joined the
+    group, and the launch would have written its workers' logs into the other run's directory.
+    flock has no test: a shared lock is taken for an instant, which a run holding the lock refuses."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file, no directory: nothing holds it (what cannot be written, the run reports)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        raise _in_use(run_dir, _read_owner(fd)) from None
+    finally:
+        os.close(fd)  # (closing releases the shared lock)
+
+
+def _in_use(run_dir: Path, owner: dict[str, str]) -> OutputError:
+    return OutputError(f"another ptbr run (PID {owner.get('pid', '?')} on {owner.get('host', '?')}) is using this "
+                       "output directory", str(run_dir), "wait for it to finish, stop it, or choose another --output")
 
 
 def _read_owner(fd: int) -> dict[str, str]:

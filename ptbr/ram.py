@@ -13,6 +13,7 @@ kills anything, so it counts as free, as `docker stats` does.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,15 +51,7 @@ def ram() -> Ram:
 def cgroup_limit(cgroup_root: Path, proc_cgroup: Path) -> tuple[int, int] | None:
     """(limit, bytes left under it) of the tightest cgroup memory limit on this process; None
     where there is none or it cannot be read (not Linux, no cgroup file system)."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    groups = {}  # controllers ("memory", "cpu,cpuacct"; "" for cgroup v2) -> the process's group
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            groups[parts[1]] = parts[2]
+    groups = process_groups(proc_cgroup)
     v1 = next((path for controllers, path in groups.items() if "memory" in controllers.split(",")), None)
     try:
         if v1 is not None and (cgroup_root / "memory").is_dir():
@@ -70,21 +63,44 @@ def cgroup_limit(cgroup_root: Path, proc_cgroup: Path) -> tuple[int, int] | None
     return None
 
 
-def _v2(root: Path, path: str) -> tuple[int, int] | None:
-    found = None
+def process_groups(proc_cgroup: Path) -> dict[str, str]:
+    """The process's cgroups by their controllers ("memory", "cpu,cpuacct"; "" for cgroup v2); {}
+    where they cannot be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return {}
+    groups = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            groups[parts[1]] = parts[2]
+    return groups
+
+
+def groups_up(root: Path, path: str) -> Iterator[Path]:
+    """A cgroup v2 group's folder, then each one above it up to the root (a limit anywhere on the
+    way applies). Inside a container's own namespace the group is the root it sees."""
     folder = root / path.lstrip("/")
-    if not folder.is_dir():  # a container's own namespace: its group is the root it sees
+    if not folder.is_dir():
         folder = root
     while True:
+        yield folder
+        if folder == root or root not in folder.parents:
+            return
+        folder = folder.parent
+
+
+def _v2(root: Path, path: str) -> tuple[int, int] | None:
+    found = None
+    for folder in groups_up(root, path):
         limit_file = folder / "memory.max"
         if limit_file.exists() and (text := limit_file.read_text().strip()) != "max":
             limit = int(text)
             used = int((folder / "memory.current").read_text()) - _stat(folder / "memory.stat", "inactive_file")
             if found is None or limit - used < found[1]:
                 found = (limit, limit - used)
-        if folder == root or root not in folder.parents:
-            return found
-        folder = folder.parent
+    return found
 
 
 def _v1(root: Path, path: str) -> tuple[int, int] | None:

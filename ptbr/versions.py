@@ -24,7 +24,12 @@ def install_extra(extra: str, in_image: str, then: str = "") -> str:
     """How to get one of ptbr's optional extras: `pip install 'ptbr[EXTRA]'` and `then`. ptbr's
     images hold what their lock pins and nothing else, installed as root without network: pip cannot
     add it there, so `in_image` says what to do instead (e.g. run the command on the host)."""
-    variant = os.environ.get("PTBR_IMAGE_VARIANT")
+    variant = image_variant()
     if variant:
         return f"the ptbr-{variant} image leaves out the {extra} extra: {in_image}"
     return f"pip install 'ptbr[{extra}]'{then}"
+
+
+def image_variant() -> str | None:
+    """"cpu" or "cuda" inside ptbr's images (their Dockerfile sets PTBR_IMAGE_VARIANT), else None."""
+    return os.environ.get("PTBR_IMAGE_VARIANT") or None

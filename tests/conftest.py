@@ -24,8 +24,12 @@ PT_TEXT = [
 
 @pytest.fixture(autouse=True)
 def _reset_global_state(monkeypatch):
-    """Each test starts without ptbr log handlers left by another, and without PTBR_DEBUG."""
+    """Each test starts without ptbr log handlers left by another, without PTBR_DEBUG, and without
+    the Hub's answers another test had (ptbr.finetune.base.HUB_STATES)."""
+    from ptbr.finetune import base
+
     monkeypatch.delenv("PTBR_DEBUG", raising=False)
+    monkeypatch.setattr(base, "HUB_STATES", {})
     logger = logging.getLogger("ptbr")
     before = list(logger.handlers)
     yield
@@ -165,3 +169,21 @@ def _open_file_limit_kept():
     yield
     after = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     assert after == before, f"the hard open-file limit went from {before} to {after} during this test"
+
+
+def nan_model(model_dir: Path) -> Path:
+    """A tiny Llama with the sample's tokenizer and one NaN in its weights (a damaged file, a diverged
+    run's model): what generate must refuse on either backend."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ptbr.data import SAMPLE_DIR
+    from ptbr.data.tokenizer import save_for_transformers
+
+    save_for_transformers(SAMPLE_DIR / "tokenizer.json", model_dir)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(model_dir)
+    return model_dir

@@ -199,6 +199,41 @@ def test_an_adapter_trained_on_a_quantized_base_is_said_to_be_applied_to_the_bas
         in capsys.readouterr().err
 
 
+def test_a_model_in_mlx_s_quantized_format_is_named_as_such_on_torch(toy, trained, tmp_path, capsys):
+    """mlx_lm.convert -q writes `quantization` (and a copy as `quantization_config`, without
+    `quant_method`): transformers failed with "... has no `quant_method` attribute" and ptbr said to
+    check that the directory holds a complete model. The weights are not read: the config decides."""
+    quantized = tmp_path / "mlx-4bit"
+    shutil.copytree(toy.base, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    mlx = {"group_size": 64, "bits": 4, "mode": "affine"}  # as mlx_lm.convert -q writes it (tests/test_mlx.py)
+    (quantized / "config.json").write_text(json.dumps(config | {"quantization": mlx, "quantization_config": mlx}))
+    format_line = (f"error: the {{}} is in MLX's quantized format (4-bit, made by mlx_lm.convert -q: config.json has "
+                   f"`quantization`, no `quant_method`), which the torch backend cannot load ({quantized}); fix: ")
+
+    def last_line(*args: str) -> str:
+        assert main([*args, "--device", "cpu"] if args[0] != "merge" else list(args)) == 4
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert last_line("generate", "--backend", "torch", "--model", str(quantized), "Oi") == (
+        format_line.format("model") + "generate with --backend mlx, or give the unquantized model")
+    assert last_line("finetune", "--backend", "torch", "--base", str(quantized), "--data", str(toy.data), "--output",
+                     str(tmp_path / "run"), "--quant", "none") == (
+        format_line.format("base model") + "fine-tune it with --backend mlx, which trains on it as it is, or give "
+        "the original (unquantized) model")
+    assert last_line("merge", "--base", str(quantized), "--adapter", str(trained / "adapters"), "--output",
+                     str(tmp_path / "merged")) == (
+        format_line.format("base model") + "give the original (unquantized) model the adapter was trained on: a "
+        "merge needs its full weights")
+    # a model that transformers quantized (bitsandbytes: a quant_method) is not taken for MLX's
+    from ptbr.backends.torch.lora import mlx_quantization
+
+    assert mlx_quantization(config | {"quantization": mlx, "quantization_config": mlx}) == mlx
+    assert mlx_quantization(config | {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}) \
+        is None
+    assert mlx_quantization(config) is None
+
+
 def test_a_gpt2_style_base_is_fine_tuned_through_its_conv1d_projections(tmp_path, capsys):
     """GPT-2 (and the PT-BR models fine-tuned from it) make their projections with transformers'
     Conv1D, not nn.Linear: ptbr found nothing to adapt (exit 4). Its c_attn, c_proj and c_fc are

@@ -276,6 +276,11 @@ def test_compile_is_refused_in_one_line_where_it_cannot_run(tmp_path, capsys, mo
         assert refused("--device", "cpu") == (
             "error: --compile: no C++ compiler found, which torch.compile needs on cpu (tried ccache g++; $CXX "
             "names another); fix: leave --compile out, or install one (e.g. apt install g++)")
+        monkeypatch.setenv("PTBR_IMAGE_VARIANT", "cpu")  # ptbr's image: no compiler, no root, no network
+        assert refused("--device", "cpu").endswith(
+            "fix: leave --compile out, or build an image of your own with one (the ptbr-cpu image holds none, and "
+            "has no network or root to add one)")
+        monkeypatch.delenv("PTBR_IMAGE_VARIANT")
     with config.patch({"cpp.cxx": (None, "g++")}):
         monkeypatch.setenv("PATH", str(tmp_path))  # no compiler anywhere
         assert "no C++ compiler found" in refused("--device", "cpu")

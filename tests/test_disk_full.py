@@ -218,3 +218,106 @@ def test_a_write_torch_fails_without_a_reason_is_a_full_disk_only_where_it_can_b
     monkeypatch.setattr(files, "_free_bytes", lambda path: 10**12)
     monkeypatch.setattr(files, "_file_size_limited", lambda: True)  # ulimit -f: the limit is the likely cause
     assert files.write_error(failed, "the checkpoint of step 4", tmp_path).what.startswith("the disk filled up")
+
+
+# ---- MLX: mx.save_safetensors says only "[write] Unable to write N bytes to file." ----------------
+
+
+def needs_mlx() -> None:
+    """Skip where MLX or mlx-lm is missing (mlx-lm imported through ptbr, which keeps the open-file
+    limit: see tests/conftest.py)."""
+    pytest.importorskip("mlx.core")
+    from ptbr.backends.mlx.file_limit import load_mlx_lm
+
+    try:
+        load_mlx_lm()
+    except ImportError:
+        pytest.skip("mlx_lm is not installed")
+
+
+@pytest.mark.slow
+def test_mlx_checkpoint_writers_keep_the_previous_checkpoint(tmp_path):
+    """An MLX run's checkpoint (model.safetensors, optimizer.safetensors: MLX's C++ writer, which
+    hides the errno): the full-disk line and exit 6, as on torch, not "unexpected RuntimeError ...
+    bug in ptbr" (exit 1)."""
+    needs_mlx()
+    out = tmp_path / "run"
+    mlx = ["train", "--backend", "mlx", "--output", str(out), *TINY, "--save-every", "2"]
+    assert ptbr(*mlx, "--max-steps", "2").returncode == 0
+    weights = (out / "checkpoints" / "step_000002" / "model.safetensors").read_bytes()
+    # 6 MB: the weights (4.3 MB) fit, AdamW's state (8.5 MB) does not; 1 MB: the weights do not
+    for limit in (6 * MB, 1 * MB):
+        run = ptbr_limited(limit, *mlx, "--max-steps", "4")
+        assert_disk_full_line(run, "the checkpoint of step 4: [write] Unable to write ")
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
+        assert (out / "checkpoints" / "step_000002" / "model.safetensors").read_bytes() == weights
+        assert not list(out.glob(".tmp-*")) and not list((out / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_mlx_final_model_adapter_and_merged_model(toy, tmp_path):
+    """The other MLX writers (write_hf_model, write_adapter, merge_into) under a limit below their
+    weights: the full-disk OutputError, the previous version untouched."""
+    needs_mlx()
+    from ptbr.backends.mlx import MlxBackend
+    from ptbr.backends.mlx.models import build_model, hf_config, write_hf_model
+    from ptbr.config import PRESETS
+    from ptbr.files import write_directory
+    from ptbr.finetune.merge import _merge_with_mlx
+    from ptbr.runs.finetune import run_finetune
+
+    def refused(limit: int, write, what: str) -> None:
+        with file_size_limit(limit), pytest.raises(OutputError) as caught:
+            write()
+        line = caught.value.one_line()
+        assert line.startswith(f"error: the disk filled up (or a file size limit or quota was hit) while writing "
+                               f"{what}: [write] Unable to write "), line
+        assert line.endswith("; fix: free space where the output goes; what was saved before is intact")
+
+    final = tmp_path / "final"
+    model = build_model(PRESETS["tiny"], 300, seed=0, pad_id=None)
+    config = hf_config(PRESETS["tiny"], 300, eos_id=0, pad_id=None)
+    write_directory(final, lambda d: write_hf_model(model, config, d), "the final model")
+    before = (final / "model.safetensors").read_bytes()
+    refused(MB, lambda: write_directory(final, lambda d: write_hf_model(model, config, d), "the final model"),
+            "the final model")
+    assert (final / "model.safetensors").read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["final"]
+
+    run = tmp_path / "run"
+    result = run_finetune(finetune_tests.settings(toy, run, backend="mlx", device="cpu", max_steps=1, eval_every=0,
+                                                  save_every=0))
+    adapters = run / "adapters"
+    adapter = (adapters / "adapters.safetensors").read_bytes()
+    backend = MlxBackend.create("cpu", "fp32")
+    refused(len(adapter) // 2, lambda: write_directory(adapters, lambda d: backend.write_adapter(result.adapted, d),
+                                                       "the adapter"), "the adapter")
+    assert (adapters / "adapters.safetensors").read_bytes() == adapter
+
+    merged = tmp_path / "merged"
+    _merge_with_mlx(str(toy.base), adapters, merged, "auto", False, False)
+    weights = (merged / "model.safetensors").read_bytes()
+    refused(len(weights) // 2, lambda: _merge_with_mlx(str(toy.base), adapters, merged, "auto", False, False),
+            "the merged model")
+    assert (merged / "model.safetensors").read_bytes() == weights
+
+
+def test_mlx_writes_that_fail_without_a_reason_are_said_as_torch_ones_are(tmp_path, monkeypatch):
+    """MLX's writer hides the errno as torch.save's does: a full disk where little space is left or
+    a size limit is set; elsewhere what is known, naming MLX."""
+    import ptbr.files as files
+
+    failed = RuntimeError("[write] Unable to write 29776 bytes to file.")
+    monkeypatch.setattr(files, "_file_size_limited", lambda: False)
+    monkeypatch.setattr(files, "_free_bytes", lambda path: 100 * 1024**3)
+    error = files.write_error(failed, "the adapter", tmp_path)
+    assert error.one_line() == (f"error: cannot write the adapter: [write] Unable to write 29776 bytes to file. (MLX "
+                                f"gives no reason; 100.0 GiB are free there) ({tmp_path}); fix: check the output's "
+                                "disk: a quota, an I/O error, or a file system gone read-only; what was saved before "
+                                "is intact")
+    opened = RuntimeError(f"[save_safetensors] Failed to open file {tmp_path}/adapters.safetensors")
+    assert "(MLX gives no reason; " in files.write_error(opened, "the adapter", tmp_path).what
+    monkeypatch.setattr(files, "_file_size_limited", lambda: True)
+    for exc in (failed, opened):
+        assert files.write_error(exc, "the adapter", tmp_path).what.startswith(
+            "the disk filled up (or a file size limit or quota was hit) while writing the adapter: ")
+    assert files.write_error(RuntimeError("[load] something else"), "the adapter", tmp_path) is None

@@ -174,6 +174,8 @@ def test_merge_gives_the_adapted_model(toy, trained, tmp_path):
     assert torch.allclose(logits_of(merged, batch), logits_of(adapted, batch), atol=5e-5)
     assert not torch.allclose(logits_of(base, batch), logits_of(adapted, batch), atol=1e-2)  # it did learn
     # `ptbr merge` writes the same weights
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / ".DS_Store").write_bytes(b"\0")  # a folder Finder showed is still an empty one
     assert main(["merge", "--base", str(toy.base), "--adapter", str(trained / "adapters"),
                  "--output", str(tmp_path / "m")]) == 0
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").state_dict()
@@ -421,6 +423,10 @@ def test_errors_are_one_line_with_their_exit_codes(toy, trained, tmp_path, capsy
                          "--quant", "none", "--lora-r", "4", "--lora-alpha", "16", "--batch-size", "4",
                          "--max-steps", "3")
     assert code == 2 and "lora_r is 8 in the checkpoint, 4 now" in err
+    code, err = error_of("finetune", "--base", str(toy.base), "--data", str(toy.data), "--output", str(trained),
+                         "--quant", "none", "--lora-r", "8", "--lora-alpha", "16", "--batch-size", "4",
+                         "--max-steps", "3", "--lora-dropout", "0")  # (it went on, with another dropout)
+    assert code == 2 and "lora_dropout is 0.05 in the checkpoint, 0.0 now" in err
 
     code, err = error_of("merge", "--base", str(toy.base), "--adapter", str(tmp_path), "--output", str(tmp_path / "m"))
     assert code == 4 and "no adapter_config.json" in err

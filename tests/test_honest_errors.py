@@ -4,9 +4,11 @@ file in one message, prepare on inputs with nothing usable, and the README's exi
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 import tests.test_finetune as finetune_tests
 from ptbr.cli import main
 from ptbr.errors import EXIT_CODES, PtbrError
+from tests.conftest import run_cli
 
 toy = finetune_tests.toy
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +54,57 @@ def test_a_missing_base_is_refused_at_once_without_asking_a_hub(tmp_path, capsys
         assert code == 4 and time.monotonic() - started < 10
         assert line.startswith("error: base model directory not found")
         assert (hint in line) if hint else ("--download" not in line)
+
+
+class _NoSuchModel(http.server.BaseHTTPRequestHandler):
+    """The Hub's answer for an id it does not know."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "Repository not found"}')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_download_asks_the_hub_once_and_says_at_once_what_it_answered(toy, tmp_path):
+    """--download with an id: a Hub that cannot be reached, an id it does not know and HF_HUB_OFFLINE
+    without a cached copy are one line at once (transformers alone retries every file for about a
+    minute, printing each retry); a copy in the local cache is used, with a warning, without retries."""
+    home = tmp_path / "hf"
+    unreachable = {"HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+    generate = ("generate", "--model", "someone/some-model", "--download", "--max-new-tokens", "2", "Olá")
+    started = time.monotonic()
+    done = run_cli(*generate, env=unreachable)
+    assert time.monotonic() - started < 30 and "Retrying" not in done.stderr
+    assert (done.returncode, done.stderr.strip().splitlines()[-1].split(":")[:2]) == (
+        4, ["error", " cannot reach the Hugging Face Hub"]), done.stderr
+    assert "check the network" in done.stderr
+    done = run_cli(*generate, env={**unreachable, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 4 and done.stderr.strip() == (
+        "error: the model is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set (someone/some-model); "
+        "fix: unset HF_HUB_OFFLINE to download it, or give a local model directory"), done.stderr
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchModel)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = run_cli("validate-data", str(toy.data), "--base", "someone/some-model", "--download",
+                       env={**unreachable, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}"})
+    finally:
+        server.shutdown()
+    assert done.returncode == 4 and "the Hugging Face Hub has no model someone/some-model (or it is private" in \
+        done.stderr, done.stderr
+    # the same id in the local cache (the Hub's layout): loaded from there, the Hub still unreachable
+    repo = home / "hub" / "models--someone--some-model"
+    shutil.copytree(toy.base, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    done = run_cli(*generate, env=unreachable)
+    assert done.returncode == 0 and "Retrying" not in done.stderr, done.stderr
+    assert "warning: cannot reach the Hugging Face Hub ([Errno 111] Connection refused): using the copy of " \
+           "someone/some-model in the local cache" in done.stderr
 
 
 def test_a_config_file_reports_every_bad_value_at_once(tmp_path, capsys):
@@ -231,6 +285,50 @@ def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):
     assert main(["smoke", "--output", str(run)]) == 9
     assert "already holds other files" in last_error(capsys)
     assert [p.name for p in run.iterdir()] == ["train.log"]
+
+
+def test_inputs_this_user_cannot_read_are_one_line_not_a_crash(toy, dataset_dir, monkeypatch, capsys):
+    """A dataset's or a base's files that this user may not read (transformers saves weights 0600:
+    another user's, or a host user's in ptbr's image, which runs as uid 1000) were "unexpected
+    PermissionError ... a bug in ptbr" (exit 1), or "No such file" from safetensors. (Root reads
+    anything: the denial is os.access's here; tests/test_image.py meets it for real.)"""
+    import os
+
+    denied: set[str] = set()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: str(path) not in denied and real_access(path, mode))
+    denied.add(str(dataset_dir / "train.bin"))
+    assert main(["info", "--data", str(dataset_dir)]) == 3
+    assert last_error(capsys) == (f"error: cannot read train.bin: permission denied ({dataset_dir}); fix: make them "
+                                  "readable by this user (chmod a+r FILE, chmod a+rx FOLDER)")
+    denied.add(str(dataset_dir))  # a folder it cannot enter: the folder alone
+    assert main(["train", "--data", str(dataset_dir), "--output", str(dataset_dir.parent / "run")]) == 3
+    assert last_error(capsys).startswith(f"error: cannot read {dataset_dir}: permission denied ({dataset_dir}); ")
+    denied.add(str(toy.base / "model.safetensors"))
+    monkeypatch.setenv("PTBR_IMAGE_VARIANT", "cpu")
+    for command in (["generate", "--model", str(toy.base), "Oi"],
+                    ["finetune", "--base", str(toy.base), "--data", str(toy.data), "--output",
+                     str(dataset_dir.parent / "tuned")]):
+        assert main(command) == 4
+        assert last_error(capsys) == (
+            f"error: cannot read the {'model' if command[0] == 'generate' else 'base model'}'s model.safetensors: "
+            f"permission denied ({toy.base}); fix: the ptbr-cpu image runs as uid {os.getuid()}: on the host, make "
+            'the files readable by it (chmod -R a+rX FOLDER), or run the container as yourself (--user "$(id -u):$(id '
+            '-g)")'), command
+
+
+def test_smoke_without_a_writable_temporary_directory_says_so(tmp_path, monkeypatch, capsys):
+    """It said "unexpected FileNotFoundError ... report it": the machine's to fix, not a bug."""
+    import tempfile
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(blocked))
+    monkeypatch.setenv("TMPDIR", str(blocked))
+    assert main(["smoke"]) == 9
+    line = last_error(capsys)
+    assert line.startswith("error: smoke failed: no writable temporary directory: ") and line.endswith(
+        f"({blocked}); fix: set TMPDIR to a writable directory, or give --output DIR"), line
 
 
 def test_a_run_that_fails_before_it_starts_leaves_no_directory_it_made(toy, tmp_path, capsys):

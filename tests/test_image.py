@@ -315,6 +315,55 @@ def test_stop_saves_a_checkpoint_and_exits_130(store, image_id, tmp_path):
 
 @pytest.mark.container
 @pytest.mark.slow
+def test_the_container_memory_limit_is_the_ram_ptbr_plans_with(store, image_id):
+    """Under `--memory 1536m --cpus 1` ptbr reads the container's cgroup limits, not the host's RAM
+    and cores: preflight names them, and a run with --auto-fit plans within the memory limit, fits
+    torch's threads to the CPU quota and trains."""
+    run = [*podman(store), "run", "--rm", *PODMAN_RUN, "--network", "none", "--memory", "1536m", "--cpus", "1",
+           image_id]
+    done = subprocess.run([*run, "preflight", "--model-size", "tiny", "--data", IMAGE_SAMPLE], capture_output=True,
+                          text=True, timeout=300)
+    assert re.search(r"hardware\.ram +RAM \(the container's memory limit\) [\d.]+ (GiB|MiB) available of "
+                     r"1\.5 GiB\n", done.stdout), done.stdout + done.stderr
+    assert re.search(r"hardware\.os .*, 1 CPU core\n", done.stdout), done.stdout
+    done = subprocess.run([*run, "train", "--data", IMAGE_SAMPLE, "--output", "/tmp/run", "--model-size", "tiny",
+                           "--max-steps", "2", "--eval-every", "0", "--auto-fit"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "done: 2 steps" in done.stderr + done.stdout, done.stderr[-3000:]
+    if (os.cpu_count() or 1) > 1:  # torch counts the host's cores: one thread per CPU the quota gives
+        assert re.search(r"torch: 1 CPU thread, not \d+: this process may use 1 CPU ", done.stderr), done.stderr
+
+
+@pytest.mark.container
+@pytest.mark.slow
+def test_files_the_images_user_cannot_read_or_write_are_one_line(store, image_id, tmp_path):
+    """The image runs as uid 1000; a host's files are another user's (transformers saves weights
+    0600): a dataset it cannot read was "a bug in ptbr" (exit 1), an --output it cannot write was
+    told to choose another path, which does not help there."""
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "ptbr" / "data" / "sample", data, ignore=shutil.ignore_patterns("__*"))
+    (data / "train.bin").chmod(0o600)  # root's
+    out = tmp_path / "out"
+    out.mkdir()  # root's, 0755
+    run = [*podman(store), "run", "--rm", *PODMAN_RUN, "--network", "none", "-v", f"{data}:/data:ro", "-v",
+           f"{out}:/out", image_id]
+    done = subprocess.run([*run, "info", "--data", "/data"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3 and done.stderr.strip() == (
+        "error: cannot read train.bin: permission denied (/data); fix: the ptbr-cpu image runs as uid 1000: on the "
+        'host, make the files readable by it (chmod -R a+rX FOLDER), or run the container as yourself (--user '
+        '"$(id -u):$(id -g)")'), done.stderr
+    (data / "train.bin").chmod(0o644)
+    done = subprocess.run([*run, "train", "--data", "/data", "--output", "/out/run", "--max-steps", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 6 and done.stderr.strip().splitlines()[-1] == (
+        "error: cannot create or write the output directory: Permission denied (/out/run); fix: the ptbr-cpu image "
+        "runs as uid 1000: on the host, give it the mounted folder (chown 1000:1000 FOLDER), or run the container "
+        'as yourself (--user "$(id -u):$(id -g)")'), done.stderr
+
+
+@pytest.mark.container
+@pytest.mark.slow
 def test_rebuild_from_scratch_gives_the_same_image_id(store, image_id, build_script, tmp_path):
     iidfile = tmp_path / "second"
     started = time.monotonic()

@@ -236,9 +236,11 @@ def test_bundle_refuses_what_kaggle_would_refuse_before_downloading_anything(tmp
         return err
 
     err = refused(["--owner", "Ptbr Tester", "--slug", "tiny", "--title", "abc", "--env", "KAGGLE_KEY=x",
-                   "--env", "HF_TOKEN=y", "--env", "nonsense", "--stop-after-hours", "13", "--python-version", "3.9"], 2)
+                   "--env", "HF_TOKEN=y", "--env", "nonsense", "--stop-after-hours", "13", "--python-version", "3.9",
+                   "--env", "NCCL_P2P_DISABLE=1", "--env", "NCCL_P2P_DISABLE=0"], 2)
     assert "--python-version 3.9: ptbr needs Python 3.10 or newer" in err
-    assert "8 problems" in err and "--owner" in err and "--slug 'tiny'" in err and "--title 'abc'" in err
+    assert "--env NCCL_P2P_DISABLE is given 2 times: give it once" in err
+    assert "9 problems" in err and "--owner" in err and "--slug 'tiny'" in err and "--title 'abc'" in err
     assert "--env KAGGLE_KEY: a bundle holds no credentials" in err and "--env HF_TOKEN" in err
     assert "--env 'nonsense' is not NAME=VALUE" in err and "--stop-after-hours must be within (0, 12]" in err
     config = tmp_path / "run.yaml"
@@ -505,6 +507,8 @@ def test_push_refuses_a_bundle_whose_files_no_longer_match_its_marker(fake, tiny
     settings.write_text(settings.read_text().replace('"max_steps": 24', '"max_steps": 25'))
     (copy / "dataset" / "data" / "val.bin").unlink()
     (copy / "dataset" / "notes.txt").write_text("mine")
+    for litter in ("dataset/.DS_Store", "dataset/data/.DS_Store", "dataset/._notes.txt"):  # a Finder's, unused
+        (copy / litter).write_bytes(b"\0")
     run = kaggle(fake, "push", str(copy))
     assert run.returncode == 2 and fake.calls == []
     assert last_error(run.stderr) == (
@@ -688,6 +692,7 @@ def test_output_replaces_a_previous_download_only_when_it_holds_nothing_else(fak
     assert (target / "NOTES.md").read_text() == "mine" and (target / "run" / "eval.txt").read_text() == "mine too"
     (target / "NOTES.md").unlink()
     (target / "run" / "eval.txt").unlink()
+    (target / "run" / ".DS_Store").write_bytes(b"\0")  # a Finder's: replaced with the rest
     fake.kernels[KERNEL_ID].outputs["run/metrics.jsonl"] = b"{}\n"
     run = kaggle(fake, "output", str(tiny_bundle), "--path", str(target))
     assert run.returncode == 0, run.stderr

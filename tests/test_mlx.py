@@ -16,6 +16,7 @@ import pytest
 
 import tests.test_finetune as finetune_tests
 from ptbr.cli import main
+from tests.conftest import nan_model
 
 pytest.importorskip("mlx.core")
 try:  # through ptbr, as ptbr imports it: a plain `import mlx_lm` lowers the open-file limit for good
@@ -265,6 +266,29 @@ def test_qlora_on_a_base_quantized_by_mlx_lm_is_the_in_memory_qlora(toy, quantiz
     assert code == 2  # a 4-bit base cannot train as an unquantized one
 
 
+def test_an_adapter_on_the_quantized_base_it_trained_on_is_not_said_to_differ(toy, quantized_base, tmp_path,
+                                                                              capsys):
+    """An adapter trained on a base mlx_lm.convert -q made, applied to that base: the very model
+    training measured, so no note that answers can differ (it is right on the unquantized base);
+    torch names MLX's format instead of "check that the directory holds a complete model"."""
+    from ptbr.runs.finetune import run_finetune
+
+    run_finetune(settings(toy, tmp_path / "out", base=str(quantized_base), quant="4bit", max_steps=1, eval_every=0,
+                          save_every=0))
+    adapters = str(tmp_path / "out" / "adapters")
+    note = "note: the adapter was trained on the base quantized (4bit); it is applied to --model as given"
+    for model, noted in ((quantized_base, False), (toy.base, True)):
+        capsys.readouterr()
+        assert main(["generate", "--backend", "mlx", "--device", "cpu", "--model", str(model), "--adapter", adapters,
+                     "Oi", "--max-new-tokens", "2"]) == 0
+        assert (note in capsys.readouterr().err) == noted, model
+    assert main(["generate", "--backend", "torch", "--device", "cpu", "--model", str(quantized_base), "Oi"]) == 4
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: the model is in MLX's quantized format (4-bit, made by mlx_lm.convert -q: config.json has "
+        f"`quantization`, no `quant_method`), which the torch backend cannot load ({quantized_base}); fix: generate "
+        "with --backend mlx, or give the unquantized model")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["finetune", "pretrain"])
 def test_resume_is_exact(toy, tmp_path, crash_then_resume, mode):
@@ -411,6 +435,40 @@ def test_checkpointed_layers_recompute_with_the_dropout_masks_of_their_forward_p
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+def test_evaluation_does_not_change_the_training_of_checkpointed_layers_with_dropout(toy, tmp_path):
+    """With --gradient-checkpointing and LoRA dropout, each checkpointed layer drew keys from MLX's
+    global generator in evaluation too (the compiled evaluation carries its state): the training
+    steps after an evaluation drew other masks, and a run's losses depended on --eval-every. As
+    without checkpointing, and on torch, they do not."""
+    import mlx.core as mx
+
+    from ptbr.runs.finetune import run_finetune
+
+    def losses(eval_every: int) -> list[float]:
+        out = tmp_path / f"eval-{eval_every}"
+        run_finetune(settings(toy, out, lora_dropout=0.1, gradient_checkpointing=True, batch_size=4, grad_accum=2,
+                              max_steps=4, eval_every=eval_every, save_every=0))
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(1) == losses(0)
+    # the same, closer in: an evaluation leaves the generator where it was
+    from ptbr.backends.mlx import MlxBackend
+    from ptbr.finetune.base import load_tokenizer
+    from ptbr.finetune.batches import collate
+    from ptbr.finetune.data import inspect_jsonl
+
+    backend = MlxBackend.create("cpu", "fp32")
+    config = settings(toy, tmp_path / "step", lora_dropout=0.1, gradient_checkpointing=True)
+    step = backend.finetune_step(backend.load_adapted(config), config)
+    tokenizer = load_tokenizer(str(toy.base))
+    batch = collate(inspect_jsonl(toy.data / "valid.jsonl", tokenizer, 256).examples[:4], tokenizer.pad_token_id)
+    before = np.array(mx.random.state[0])
+    step.eval_loss([batch])
+    np.testing.assert_array_equal(np.array(mx.random.state[0]), before)
+    step.train_step([batch], 1e-2)  # while training, each layer draws its keys
+    assert (np.array(mx.random.state[0]) != before).any()
+
+
 def test_batches_are_padded_to_a_few_shapes():
     from ptbr.backends.mlx.step import bucket_length, pad_batch
 
@@ -469,9 +527,10 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     from ptbr.backends.mlx import generate as mlx_generate
 
     model = mlx_generate.load_for_generation(toy.base, None)
-    free = mlx_generate.generate(model, [1, 5, 9], set(), 6, 0.0, 0, 0)
-    assert len(free) == 6
-    assert mlx_generate.generate(model, [1, 5, 9], set(), 6, 0.0, 0, 0, until=lambda new: len(new) == 2) == free[:2]
+    free, finite = mlx_generate.generate(model, [1, 5, 9], set(), 6, 0.0, 0, 0)
+    assert len(free) == 6 and finite
+    assert mlx_generate.generate(model, [1, 5, 9], set(), 6, 0.0, 0, 0, until=lambda new: len(new) == 2) == (
+        free[:2], True)
     assert generate("--backend", "torch", "--model", str(toy.base), "--adapter", adapters) == answer
     sampled = []  # --top-k of the vocabulary or more: every token, as on torch (mlx-lm raised, exit 1)
     for top_k in ("0", "1000000"):
@@ -513,6 +572,48 @@ def test_generate_export_merge_and_smoke_take_mlx(toy, tmp_path, capsys):
     assert "on mlx" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_generate_from_a_model_with_nan_weights_is_refused_as_on_torch(tmp_path, capsys, temperature):
+    """A NaN in the weights: MLX printed the prompt alone (greedy) or noise (sampling), exit 0,
+    where torch refuses the model (tests/test_cli.py): the same line and exit 4 on MLX."""
+    model_dir = nan_model(tmp_path / "nan-model")
+    assert main(["generate", "--backend", "mlx", "--device", "cpu", "Era uma vez", "--model", str(model_dir),
+                 "--max-new-tokens", "5", "--temperature", temperature]) == 4
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1] == (
+        "error: the model's output is not finite (NaN or infinite logits): its weights are damaged, or the run that "
+        "made them diverged (ptbr generate); fix: use another checkpoint of the run (OUTPUT/checkpoints/step_*), "
+        "or copy the model's files again")
+
+
+def test_generation_stops_at_the_first_step_whose_logits_are_not_finite(toy):
+    """Every step is checked, not only the prompt's: a model whose third call gives NaN logits
+    yields the two tokens before it, and says that its output was not finite."""
+    import mlx.core as mx
+
+    from ptbr.backends.mlx import generate as mlx_generate
+
+    model = mlx_generate.load_for_generation(toy.base, None)
+    prompt = [5]  # one token: one call for the prompt (mlx-lm reads a longer one in two)
+    free, finite = mlx_generate.generate(model, prompt, set(), 6, 0.0, 0, 0)
+    assert len(free) == 6 and finite
+
+    class NanFrom:
+        """The model, with NaN logits from its call number `first` on (the prompt's is the first)."""
+
+        def __init__(self, first: int):
+            self.layers, self.first, self.calls = model.layers, first, 0
+
+        def __call__(self, inputs, cache=None):
+            self.calls += 1
+            logits = model(inputs, cache=cache)
+            return logits * mx.array(float("nan")) if self.calls >= self.first else logits
+
+    assert mlx_generate.generate(NanFrom(3), prompt, set(), 6, 0.0, 0, 0) == (free[:2], False)
+    for temperature in (0.0, 0.8):  # the prompt's own logits: nothing
+        assert mlx_generate.generate(NanFrom(1), prompt, set(), 6, temperature, 0, 0) == ([], False)
+
+
 def test_peft_alpha_of_an_mlx_scale_is_the_number_a_user_wrote():
     from ptbr.finetune.export import alpha_of
 
@@ -545,6 +646,28 @@ def test_mlx_errors_are_one_line_with_their_exit_codes(toy, tmp_path, capsys, mo
     code, err = error_of("train", "--backend", "mlx", "--output", str(tmp_path / "p"))
     assert code == 2 and "started as one of 2 processes" in err
     assert not (tmp_path / "p").exists()  # refused before the run directory is made
+
+
+def test_torch_options_that_change_nothing_on_mlx_say_so_in_one_line(toy, tmp_path, capsys):
+    """--no-chunked-loss and --no-cuda-graphs turn off what MLX never does: not refused (the run is
+    what they ask for, unlike --compile), and not silently taken either."""
+    from ptbr.commands import processes_to_launch
+    from ptbr.config import PretrainConfig
+    from ptbr.log import setup_console
+
+    setup_console()  # as the CLI does (another test may have left only pytest's handlers on ptbr's logger)
+    capsys.readouterr()
+    assert processes_to_launch(PretrainConfig(backend="mlx", chunked_loss=False, cuda_graphs=False)) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --no-chunked-loss changes nothing on the MLX backend: its loss always takes the whole logits",
+        "note: --no-cuda-graphs changes nothing on the MLX backend: CUDA graphs are the torch backend's (under "
+        "--compile on a CUDA GPU)"]
+    assert processes_to_launch(settings(toy, tmp_path / "ft", chunked_loss=False)) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --no-chunked-loss changes nothing on the MLX backend: its loss always takes the whole logits"]
+    for quiet in (PretrainConfig(backend="mlx"), PretrainConfig(backend="torch", chunked_loss=False,
+                                                                cuda_graphs=False)):
+        assert processes_to_launch(quiet) == 1 and capsys.readouterr().err == ""
 
 
 def test_auto_fit_halves_the_micro_batch_on_an_mlx_out_of_memory(toy, tmp_path, monkeypatch, capsys):

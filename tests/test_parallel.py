@@ -447,3 +447,229 @@ def test_preflight_s_load_test_under_a_launcher_closes_the_group_it_joined(toy, 
     checks = json.loads((tmp_path / "plan" / "preflight_report.json").read_text())["checks"]
     assert [c["status"] for c in checks if c["name"] == "model.load_test"] == ["pass"]
     assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}
+
+
+def start_a_long_launch(run: Path, env: dict | None = None) -> subprocess.Popen:
+    """`ptbr train --num-processes 2` of endless tiny steps, returned once it has trained three."""
+    launcher = subprocess.Popen([sys.executable, "-m", "ptbr", "train", "--output", str(run), "--batch-size", "2",
+                                 "--num-processes", "2", *TINY, "--max-steps", "100000", "--save-every", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    wait_for_steps(run, 3, launcher)
+    return launcher
+
+
+def wait_for_steps(run: Path, steps: int, launcher) -> None:
+    deadline = time.monotonic() + 240
+    while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < steps:
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+
+
+def end_the_launch(launcher) -> None:
+    """A test that failed leaves no worker behind."""
+    import psutil
+
+    for process in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)]:
+        process.kill()
+
+
+def rank_process(launcher, rank: int):
+    import psutil
+
+    (process,) = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                  if p.environ().get("RANK") == str(rank)]
+    return process
+
+
+def test_a_rank_killed_mid_run_is_named_as_the_cause_not_taken_for_a_crash(tmp_path):
+    """Rank 1 killed by SIGKILL (as the out-of-memory killer does): rank 0's collective then fails
+    with gloo's "Connection reset by peer", which was "unexpected RuntimeError ... a bug in ptbr"
+    with a crash report, and the last line said rank 1 stopped "with exit code -9" pointing to its
+    empty log. Now rank 0 just stops, and the last line, also at the end of train.log (what `ptbr
+    monitor` shows), names the killed rank and what a SIGKILL usually means."""
+    run = tmp_path / "run"
+    launcher = start_a_long_launch(run)
+    try:
+        rank_process(launcher, 1).kill()
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            end_the_launch(launcher)
+    assert launcher.returncode == 137, err[-8000:]  # as a shell says of a process the kernel killed
+    (log,) = (run / "workers").glob("*/attempt_0/1/stderr.log")
+    line = (f"error: rank 1 of 2 was killed by SIGKILL (often the out-of-memory killer: `dmesg` or `journalctl -k` "
+            f"says so) ({log}); fix: if memory ran out, lower --batch-size (raising --grad-accum) or ask `ptbr "
+            "preflight` for a config that fits; run the same command again to resume from the last checkpoint")
+    assert err.strip().splitlines()[-1] == line
+    assert "bug in ptbr" not in err and "Traceback" not in err and not (run / "crash_report.txt").exists()
+    log = (run / "train.log").read_text()
+    assert log.splitlines()[-1].endswith(" " + line) and "bug in ptbr" not in log, log[-3000:]
+
+
+FAIL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    from ptbr.data import tokens
+    from ptbr.errors import DataError
+    original = tokens.PretrainBatches.cycle
+    def failing(self, step):
+        if step == 3:
+            raise DataError("a window past the end of the file", "train.bin", "prepare the data again")
+        return original(self, step)
+    tokens.PretrainBatches.cycle = failing
+"""
+
+
+def test_a_rank_s_own_error_is_the_run_s_last_line_and_ends_its_log(tmp_path):
+    """Rank 1 fails with a documented error at step 3: the run's code and last line are its own,
+    and rank 0, whose collective failed as rank 1 went away, says only that it stopped (it printed
+    "a bug in ptbr", wrote a crash report, and its gloo error was what train.log, and so `ptbr
+    monitor`, gave as the cause)."""
+    run = tmp_path / "run"
+    failed = ptbr("train", "--output", str(run), "--batch-size", "2", "--num-processes", "2", *TINY, "--max-steps",
+                  "6", "--save-every", "2", env=with_startup_code(tmp_path, FAIL_ON_RANK_1))
+    assert failed.returncode == 3, failed.stderr[-8000:]
+    line = "error: a window past the end of the file (train.bin); fix: prepare the data again"
+    assert failed.stderr.strip().splitlines()[-1] == line
+    assert "bug in ptbr" not in failed.stderr and "Traceback" not in failed.stderr
+    assert not (run / "crash_report.txt").exists()
+    log = (run / "train.log").read_text()
+    assert log.splitlines()[-1].endswith(" " + line) and "bug in ptbr" not in log, log[-3000:]
+    status = ptbr("monitor", str(run), "--once").stdout
+    assert f": {line}" in next(row for row in status.splitlines() if row.startswith("status")), status
+
+
+def test_a_launch_on_an_output_in_use_is_refused_before_any_worker_starts(tmp_path):
+    """Both workers started, and only then was rank 0 refused: a workers/ folder left in the other
+    run's directory."""
+    import os
+    import socket
+
+    from ptbr.lock import RunLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with RunLock(run):  # another run
+        refused = ptbr("train", "--output", str(run), "--batch-size", "2", "--num-processes", "2", *TINY)
+    assert refused.returncode == 6, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: another ptbr run (PID {os.getpid()} on {socket.gethostname()}) is using this output directory "
+        f"({run}); fix: wait for it to finish, stop it, or choose another --output")
+    assert "starting 2 data-parallel processes" not in refused.stderr and not (run / "workers").exists()
+
+
+SLOW_SAVES = """
+import time
+import ptbr.train.loop as loop
+real_save = loop.save_checkpoint
+def slow_save(*args, **kwargs):
+    time.sleep(120)  # a checkpoint that takes long to write
+    return real_save(*args, **kwargs)
+loop.save_checkpoint = slow_save
+"""
+
+
+def test_a_second_ctrl_c_to_the_launcher_stops_every_rank_at_once(tmp_path):
+    """The launcher passed a second SIGINT on as SIGTERM, which the ranks took for a first signal of
+    another kind: they finished the checkpoint (up to the launcher's 600 s) and the last line said
+    "stopped by SIGTERM". Now the second Ctrl-C reaches them as one, and they stop at once, as one
+    process does."""
+    run = tmp_path / "run"
+    launcher = start_a_long_launch(run, with_startup_code(tmp_path, SLOW_SAVES))
+    try:
+        launcher.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while "SIGINT received" not in (run / "train.log").read_text():
+            assert time.monotonic() < deadline, "the first Ctrl-C did not arrive"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            end_the_launch(launcher)
+    assert launcher.returncode == 130 and time.monotonic() - sent < 20, err[-8000:]
+    assert err.strip().splitlines()[-1] == ("error: stopped by SIGINT (ptbr train); fix: run the same command again "
+                                            "(a training run resumes from its last checkpoint, where it saved one)")
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
+
+
+WORKER = """
+import signal, sys, time
+signal.signal(signal.SIGINT, lambda *_: sys.exit(7))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_launcher_passes_a_second_stop_signal_on_as_it_came():
+    """The launcher's first SIGINT or SIGTERM goes to torch's shutdown (which passes it on and waits
+    for the checkpoint); a later one goes to every worker's process group as it came, while the
+    launcher waits on. Before any worker exists, the launch stops as any command does."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ptbr.backends.torch.distributed import _PassingStopSignalsOn
+
+    before = signal.getsignal(signal.SIGINT)
+    with _PassingStopSignalsOn(SignalException), pytest.raises(KeyboardInterrupt, match="^SIGTERM$"):
+        signal.raise_signal(signal.SIGTERM)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)  # as torch starts one
+    try:
+        assert worker.stdout.readline() == "ready\n"
+        with _PassingStopSignalsOn(SignalException):
+            with pytest.raises(SignalException):
+                signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            assert worker.wait(timeout=30) == 7  # the worker's own SIGINT handler ran
+    finally:
+        worker.kill()
+        worker.stdout.close()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_one_ctrl_c_in_a_terminal_saves_the_checkpoint(tmp_path):
+    """A Ctrl-C in a terminal goes to its foreground process group: the launcher, which passes it
+    on (torch starts each worker in a session of its own). One press saves the checkpoint; the
+    handling of a second press must not take that one press for two."""
+    import os
+    import pty
+    import select
+
+    run = tmp_path / "run"
+    pid, terminal = pty.fork()
+    if pid == 0:  # the launcher, with the pty as its controlling terminal
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-m", "ptbr", "train", "--output", str(run), "--batch-size", "2",
+                                  "--num-processes", "2", *TINY, "--max-steps", "100000", "--save-every", "0"])
+    output = b""
+
+    def read_for(seconds: float) -> bool:
+        nonlocal output
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if select.select([terminal], [], [], 0.1)[0]:
+                try:
+                    data = os.read(terminal, 65536)
+                except OSError:  # the terminal closed: the launcher has ended
+                    return False
+                if not data:
+                    return False
+                output += data
+        return True
+
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert read_for(0.2) and time.monotonic() < deadline, output.decode(errors="replace")[-3000:]
+        os.write(terminal, b"\x03")  # Ctrl-C
+        deadline = time.monotonic() + 120
+        while read_for(0.2):
+            assert time.monotonic() < deadline, output.decode(errors="replace")[-3000:]
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(terminal)
+    text = output.decode(errors="replace").replace("\r", "")
+    assert os.waitstatus_to_exitcode(status) == 130, text[-3000:]
+    (checkpoint,) = (run / "checkpoints").iterdir()
+    assert text.strip().splitlines()[-1].startswith(f"error: stopped by SIGINT at step {int(checkpoint.name[5:])} ")

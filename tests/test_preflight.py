@@ -178,6 +178,11 @@ def test_t4_gets_fp16_and_two_t4s_train_on_both():
     rec = recommend(MACHINES["2xt4"], three, Architecture.from_preset(PRESETS["85m"], VOCAB), processes_given=True)
     assert rec.settings.num_processes == "2"
     assert any(r.startswith("--num-processes 3 is more than the 2 GPUs: --num-processes 2, one") for r in rec.reasons)
+    # one device: one process, and the plan says why it is not the number given (it said nothing)
+    for machine, why in (("t4", "one GPU takes one process"), ("cpu24", "on a CPU one process already uses every core")):
+        rec = recommend(MACHINES[machine], three, Architecture.from_preset(PRESETS["85m"], VOCAB), processes_given=True)
+        assert rec.settings.num_processes == "1"
+        assert any(r.startswith(f"--num-processes 1, not 3: {why}") for r in rec.reasons), rec.reasons
     # asking for bf16 on a T4 is corrected, with the reason
     asked = dataclasses.replace(pretrain_request("85m"), precision="bf16")
     rec = recommend(MACHINES["t4"], asked, Architecture.from_preset(PRESETS["85m"], VOCAB))

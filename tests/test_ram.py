@@ -121,3 +121,13 @@ def test_the_ram_guard_and_preflight_see_the_containers_limit_not_the_hosts_ram(
            "needs RAM too" in out
     report = json.loads((tmp_path / "pf" / "preflight_report.json").read_text())
     assert report["hardware"]["ram_limit"] == 2 * GIB and report["hardware"]["ram_available"] == 256 * MIB
+    # a preset that fits nowhere under the limit: the failed check says so, and names the limit (its line
+    # was the recommendation's last reason, "training on the CPU: expect hours ...")
+    assert main(["preflight", "--output", str(tmp_path / "pf85"), "--device", "cpu", "--model-size", "85m"]) == 10
+    checks = {c["name"]: c for c in json.loads((tmp_path / "pf85" / "preflight_report.json").read_text())["checks"]}
+    failed = checks["memory.recommended"]
+    assert failed["status"] == "fail" and failed["message"].startswith(
+        "does not fit: micro-batch 1 of 64 tokens with gradient checkpointing needs "), failed
+    assert failed["fix"] == "use a smaller preset, or a higher container memory limit (e.g. docker run --memory 16g)"
+    assert (checks["memory.requested"]["status"], checks["memory.requested"]["fix"]) == (
+        "fail", "nothing smaller fits either: see memory.recommended")

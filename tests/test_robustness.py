@@ -355,6 +355,30 @@ def test_a_stop_signal_during_a_checkpoint_save_stops_at_that_checkpoint(tmp_pat
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000002"] and metric_lines(out) == 2
 
 
+@pytest.mark.parametrize("own_session", [True, False], ids=["launcher's worker", "terminal's process"])
+def test_a_sigterm_after_a_ctrl_c_stops_at_once_only_where_a_launcher_passed_both_on(monkeypatch, own_session):
+    """torch's launcher (torchrun, --num-processes) starts each worker in a session of its own and
+    passes a first Ctrl-C on as SIGINT, a second as SIGTERM: that SIGTERM is the second Ctrl-C and
+    stops at once (it went on to write the checkpoint, up to the launcher's 600 s). A process in
+    the terminal's session gets a Ctrl-C itself, and a launcher's SIGTERM a moment later may be
+    that same Ctrl-C passed on: the checkpoint is still saved. The stop is named for the first
+    signal (the SIGTERM renamed a Ctrl-C's stop)."""
+    import ptbr.train.loop as loop
+
+    monkeypatch.setattr(loop, "_in_a_session_of_its_own", lambda: own_session)
+    with loop.GracefulStop() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+        if own_session:
+            with pytest.raises(KeyboardInterrupt, match="^SIGTERM$"):
+                signal.raise_signal(signal.SIGTERM)
+        else:
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.signal_name == "SIGINT"
+            with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C stops at once everywhere
+                signal.raise_signal(signal.SIGINT)
+
+
 def test_sigterm_before_training_starts_is_exit_130_with_a_line(tmp_path):
     """Before the graceful stop is in place (imports, data checks, building the model), SIGTERM
     stops a run as Ctrl-C does: exit 130 and one line, not the shell's silent 143."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from ptbr.errors import PtbrError
+
 T = TypeVar("T")
 
 
@@ -37,6 +39,10 @@ class World(Protocol):
         """The run's collectives are over (called when a run ends well): torch's process group is
         destroyed, or its backend's threads can abort the process as it exits."""
 
+    def stopped_by_another(self, exc: BaseException, command: str) -> PtbrError | None:
+        """The error to report where `exc` ended this rank because another rank's process went away
+        (not this rank's crash); None for anything else."""
+
 
 class SingleProcess:
     """A run of one process: every question answers itself."""
@@ -58,6 +64,9 @@ class SingleProcess:
 
     def close(self) -> None:
         pass
+
+    def stopped_by_another(self, exc: BaseException, command: str) -> PtbrError | None:
+        return None
 
     def describe(self) -> str:
         return "1 process"

@@ -9,6 +9,7 @@ import sys
 
 from ptbr.config import PRESETS, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError, collect
+from ptbr.log import log
 
 
 def settings_from_args(cls: type, args: argparse.Namespace):
@@ -28,6 +29,17 @@ def end_a_failed_rank(code: int) -> None:
         exit_a_failed_rank(code)
 
 
+def stopped_by_another_rank(exc: Exception, command: str):
+    """In a rank of a data-parallel run, a collective that failed because another rank's process
+    went away (ptbr/backends/torch/distributed.py stopped_by_another_rank): the Interrupted error
+    to report instead of a crash; None otherwise (and where torch.distributed was never imported)."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    from ptbr.backends.torch.distributed import stopped_by_another_rank as by_another
+
+    return by_another(exc, command)
+
+
 def processes_to_launch(settings) -> int:
     """How many workers `--num-processes` asks ptbr to start; 1: run in this process. Inside a
     worker (torchrun, `accelerate launch`, or ptbr's own launch) the launcher has already decided."""
@@ -36,6 +48,7 @@ def processes_to_launch(settings) -> int:
     inside = os.environ.get("WORLD_SIZE")
     if resolve_name(settings.backend) == "mlx":
         refuse_torch_options_on_mlx(settings, inside)
+        note_torch_options_mlx_ignores(settings)
         return 1
     if inside:
         if settings.num_processes not in ("auto", "1", inside):
@@ -76,6 +89,17 @@ def refuse_torch_options_on_mlx(settings, inside: str | None) -> None:
     collect(problems, ConfigError, "--backend mlx", fix)
 
 
+def note_torch_options_mlx_ignores(settings) -> None:
+    """The torch options that turn something off which the MLX backend never does: nothing to
+    refuse (the run is what they ask for), but a line, so that nobody takes them for a change.
+    Unlike --compile or --lora-dropout-impl, which ask for what MLX cannot do, and are refused."""
+    if not getattr(settings, "chunked_loss", True):
+        log("note: --no-chunked-loss changes nothing on the MLX backend: its loss always takes the whole logits")
+    if not getattr(settings, "cuda_graphs", True):
+        log("note: --no-cuda-graphs changes nothing on the MLX backend: CUDA graphs are the torch backend's "
+            "(under --compile on a CUDA GPU)")
+
+
 def run_or_launch(settings, args: argparse.Namespace, run) -> int:
     """run(settings) here, or in `--num-processes` workers started by torchrun's launcher."""
     processes = processes_to_launch(settings)
@@ -89,15 +113,15 @@ def run_or_launch(settings, args: argparse.Namespace, run) -> int:
     from pathlib import Path
 
     from ptbr.backends.torch.distributed import launch, visible_gpus
+    from ptbr.cpus import usable_cpus
     from ptbr.files import first_missing
-    from ptbr.log import log
     from ptbr.runs.common import (
         WORKER_LOGS,
         check_before_launch,
         remove_a_launch_that_never_started,
     )
 
-    gpus, cores = visible_gpus(), os.cpu_count() or 1
+    gpus, cores = visible_gpus(), usable_cpus()
     if gpus and processes > gpus:
         log(f"warning: {processes} processes on {gpus} GPU(s): ranks share a GPU (one process per GPU is the usual)")
     elif not gpus and processes > cores:
@@ -123,7 +147,8 @@ def check_preset_request(command: str, model_size: str, seq_len: int, **sizes: i
     elif seq_len > PRESETS[model_size].max_position_embeddings:
         problems.append(f"--seq-len {seq_len} exceeds the {model_size} model's maximum of "
                         f"{PRESETS[model_size].max_position_embeddings} positions")
-    collect(problems, ConfigError, f"ptbr {command}", "give values within those limits (see --help)")
+    collect(problems, ConfigError, f"ptbr {command}", "give a listed model size and sizes within its limits "
+            f"(`ptbr {command} --help`)")
 
 
 def quiet_transformers() -> None:

@@ -12,8 +12,17 @@ from pathlib import Path
 from ptbr.commands import quiet_transformers
 from ptbr.config import MAX_SEED
 from ptbr.errors import ConfigError, ModelError, collect
+from ptbr.files import read_json
 from ptbr.finetune.adapter import ADAPTER_META, check_adapter, read_adapter_meta
-from ptbr.finetune.base import adapter_base, check_base, load_error, max_positions, read_config
+from ptbr.finetune.base import (
+    adapter_base,
+    check_base,
+    files_only,
+    load_error,
+    max_positions,
+    model_files_only,
+    read_config,
+)
 from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
 
@@ -58,7 +67,8 @@ def load_tokenizer(model_dir: str, adapter: str | None, download: bool = False):
         raise ModelError("no tokenizer in the model directory (a checkpoint holds only weights)", str(tokenizer_dir),
                          "give OUTPUT/final, a merged model, or a base model with its tokenizer files")
     try:
-        return AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=not download)
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir),
+                                             local_files_only=files_only(str(tokenizer_dir), download))
     except Exception as exc:  # noqa: BLE001 - OSError, ValueError...: all mean "cannot load"
         raise load_error("tokenizer", str(tokenizer_dir), exc) from exc
 
@@ -68,12 +78,15 @@ def load_for_generation(model_dir: str, adapter: str | None, device, download: b
     mlx-lm's) on `device`, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from ptbr.backends.torch.lora import refuse_mlx_quantized
+
     check_base(model_dir, download, what="model")
     read_config(model_dir)  # a damaged config.json is named as such, not as "cannot load the tokenizer"
+    refuse_mlx_quantized(model_dir, "model", "generate with --backend mlx, or give the unquantized model")
     check_adapter_use(model_dir, adapter)
     tokenizer = load_tokenizer(model_dir, adapter, download)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=not download)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **model_files_only(model_dir, download))
     except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, ValueError...: all mean "cannot load"
         raise load_error("model", model_dir, exc) from exc
     if adapter:
@@ -194,10 +207,15 @@ def _finite_logits(input_ids, scores):
     import torch
 
     if not bool(torch.isfinite(scores).all()):
-        raise ModelError("the model's output is not finite (NaN or infinite logits): its weights are damaged, or the "
-                         "run that made them diverged", "ptbr generate",
-                         "use another checkpoint of the run (OUTPUT/checkpoints/step_*), or copy the model's files again")
+        raise output_not_finite()
     return scores
+
+
+def output_not_finite() -> ModelError:
+    """The refusal of a model whose logits are NaN or infinite, the same on both backends."""
+    return ModelError("the model's output is not finite (NaN or infinite logits): its weights are damaged, or the "
+                      "run that made them diverged", "ptbr generate",
+                      "use another checkpoint of the run (OUTPUT/checkpoints/step_*), or copy the model's files again")
 
 
 def is_chat_model(model_dir: str, adapter: str | None, tokenizer, raw: bool) -> bool:
@@ -236,9 +254,12 @@ def generate_mlx(args, stack: ExitStack) -> tuple[str, bool]:
     # the newest tokens only (the stop text's own and a few more): decoding all of them at each token
     # would grow with the answer
     tail = len(tokenizer(stop, add_special_tokens=False)["input_ids"]) + 4 if stop else 0
-    new = mlx_generate.generate(model, ids, stop_ids(tokenizer, configured, chat), max_new_tokens, args.temperature,
-                                args.top_k, args.seed,
-                                until=(lambda tokens: stop in tokenizer.decode(tokens[-tail:])) if stop else None)
+    new, finite = mlx_generate.generate(model, ids, stop_ids(tokenizer, configured, chat), max_new_tokens,
+                                        args.temperature, args.top_k, args.seed,
+                                        until=(lambda tokens: stop in tokenizer.decode(tokens[-tail:])) if stop
+                                        else None)
+    if not finite:
+        raise output_not_finite()
     return cut_at(decode_new(tokenizer, ids, new), stop), chat
 
 
@@ -249,6 +270,14 @@ def _generation_config(model_dir: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def saved_quantized_as(model: str, quant: str) -> bool:
+    """Whether `model` is saved quantized by `mlx_lm.convert -q` as MLX's --quant `quant` quantizes
+    (ptbr's in-memory quantization is the same): the weights an MLX adapter of `quant` trained on,
+    as they are, which MLX trains on without quantizing again."""
+    quantization = (read_json(Path(model).expanduser() / "config.json") or {}).get("quantization")
+    return isinstance(quantization, dict) and f"{quantization.get('bits')}bit" == quant
 
 
 def main(args) -> int:
@@ -271,8 +300,10 @@ def main(args) -> int:
     quiet_transformers()
     from ptbr.backends import resolve_name
 
-    trained_on = read_adapter_meta(adapter_files(args.adapter)).get("quant") if args.adapter else None
-    if trained_on in ("4bit", "8bit"):
+    meta = read_adapter_meta(adapter_files(args.adapter)) if args.adapter else {}
+    trained_on = meta.get("quant")
+    as_trained = meta.get("backend") == "mlx" and saved_quantized_as(args.model, trained_on)  # the very base
+    if trained_on in ("4bit", "8bit") and not as_trained:
         log(f"note: the adapter was trained on the base quantized ({trained_on}); it is applied to --model as given, "
             "as `ptbr merge` does, so answers can differ a little from the model training measured")
 

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from pathlib import Path
 
 from ptbr.commands import quiet_transformers
 from ptbr.errors import Interrupted, PtbrError, SmokeFailed
+from ptbr.files import first_line
 from ptbr.log import log
 
 # Marks a directory as smoke's own, so that `ptbr smoke --output DIR` never writes into someone's run.
@@ -90,6 +92,16 @@ def _check_mlx(output: Path) -> tuple[int, str]:
     return len(a), "mlx-lm"
 
 
+def _temporary_directory() -> tempfile.TemporaryDirectory:
+    """Where smoke's run goes without --output; none writable is this machine's to fix, not a bug."""
+    try:
+        return tempfile.TemporaryDirectory(prefix="ptbr-smoke-")
+    except OSError as exc:  # FileNotFoundError: "No usable temporary directory found in [...]"
+        raise SmokeFailed(f"smoke failed: no writable temporary directory: {first_line(exc)}",
+                          os.environ.get("TMPDIR", "TMPDIR unset"),
+                          "set TMPDIR to a writable directory, or give --output DIR") from exc
+
+
 def main(args) -> int:
     quiet_transformers()
     try:
@@ -97,7 +109,7 @@ def main(args) -> int:
             result = run_smoke(Path(args.output), backend=args.backend)
             kept = f"; the run is in {args.output}"
         else:
-            with tempfile.TemporaryDirectory(prefix="ptbr-smoke-") as tmp:
+            with _temporary_directory() as tmp:
                 log(f"smoke: running in a temporary directory, removed at the end: {tmp}")
                 try:
                     result = run_smoke(Path(tmp), backend=args.backend)

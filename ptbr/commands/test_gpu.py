@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 
 from ptbr.commands import check_preset_request, quiet_transformers
+from ptbr.errors import DeviceError, PtbrError
+from ptbr.files import first_line
+
+SMALLER_PROBE = "give a smaller --model-size (85m, tiny) or --batch-size"
 
 DEVICE_NAMES = {"cpu": "the CPU", "cuda": "the GPU", "mps": "Apple MPS"}
 # what the peak memory the probe prints is, per device type
@@ -37,6 +41,26 @@ def probe_accelerator() -> dict:
     except Exception as exc:  # noqa: BLE001
         facts["error"] = f"{type(exc).__name__}: {exc}"
     return facts
+
+
+def refuse_a_probe_beyond_ram(model_size: str, batch_size: int, seq_len: int, vocab_size: int,
+                              precision: str) -> None:
+    """On a CPU, a probe whose step needs more than the memory free (RAM and swap, or what a
+    container's limit leaves) is refused (exit 5): the kernel would kill it, with no line."""
+    import psutil
+
+    from ptbr.config import get_preset
+    from ptbr.memory import Architecture, estimate_training_memory
+    from ptbr.ram import ram
+
+    arch = Architecture.from_preset(get_preset(model_size), vocab_size)
+    needed = estimate_training_memory(arch, batch_size, seq_len, precision, chunked_loss=True, device="cpu").total
+    memory = ram()
+    free = memory.available + (psutil.swap_memory().free if memory.limit is None else 0)
+    if needed > free:
+        raise DeviceError(f"the probe step of {model_size} (batch {batch_size} x {seq_len}, {precision}) needs about "
+                          f"{needed / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is free ({memory.where()}): the kernel "
+                          "would kill it", "ptbr test-gpu", SMALLER_PROBE)
 
 
 def run_probe_step(model_size: str, batch_size: int, seq_len: int, vocab_size: int, placement) -> dict:
@@ -92,7 +116,18 @@ def main(args) -> int:
     else:
         print("no CUDA GPU found" + (" (Apple MPS is available)" if facts.get("mps_available") else "")
               + f": {running_on}")
-    r = run_probe_step(args.model_size, args.batch_size, args.seq_len, args.vocab_size, placement)
+    if placement.device.type == "cpu":
+        refuse_a_probe_beyond_ram(args.model_size, args.batch_size, args.seq_len, args.vocab_size, placement.precision)
+    try:
+        r = run_probe_step(args.model_size, args.batch_size, args.seq_len, args.vocab_size, placement)
+    except Exception as exc:
+        from ptbr.backends.torch import is_out_of_memory
+
+        if isinstance(exc, PtbrError) or not is_out_of_memory(exc):
+            raise
+        raise DeviceError(f"out of memory on {placement.device} in the probe step of {args.model_size} (batch "
+                          f"{args.batch_size} x {args.seq_len}): {first_line(exc)[:160]}", "ptbr test-gpu",
+                          SMALLER_PROBE) from exc
     print(f"one training step of {r['model_size']} ({r['parameters']:,} parameters) on {r['device']} in "
           f"{r['precision']}: batch {r['batch_size']} x {r['seq_len']}, loss {r['loss']:.4f}, "
           f"step {r['step_s']} s, peak memory {r['peak_memory_bytes'] / 1024**3:.2f} GiB ({r['peak_memory_of']})")

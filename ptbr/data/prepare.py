@@ -23,6 +23,7 @@ from ptbr.files import (
     read_json,
     remove_empty_folders,
     remove_leftovers,
+    unwritable_fix,
     writing,
 )
 from ptbr.lock import LOCK_FILE, RunLock
@@ -81,7 +82,7 @@ def prepare(inputs: list[str], output: str | Path, vocab_size: int = DEFAULT_VOC
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create the output directory: {exc.strerror or exc}", str(output),
-                          "choose a path you can write to with --output") from exc
+                          unwritable_fix(exc)) from exc
     stage = aside(output / "prepare", "tmp")
     lock, finished = None, False
     try:

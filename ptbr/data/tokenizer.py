@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ptbr.errors import DataError
+from ptbr.files import unreadable, unreadable_fix
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -96,6 +97,8 @@ def load_tokenizer(path: str | Path):
             fix = f"give the file in it: --tokenizer {path / 'tokenizer.json'}"
         what = "is a directory, not a tokenizer.json" if path.is_dir() else "not found"
         raise DataError(f"tokenizer {what}: {path}", "--tokenizer", fix)
+    if unreadable([path]):
+        raise DataError(f"cannot read the tokenizer: permission denied: {path}", "--tokenizer", unreadable_fix())
     with open(path, "rb") as f:
         first = f.read(1)
     if path.suffix == ".model" or (first and first not in b"{ \n\t\r\xef"):  # JSON starts with {, space or a BOM

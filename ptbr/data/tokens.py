@@ -12,7 +12,7 @@ import numpy as np
 from ptbr.data.batch import Batch, windows_to_batch
 from ptbr.data.tokenizer import eos_id, load_tokenizer
 from ptbr.errors import DataError
-from ptbr.files import file_sha256
+from ptbr.files import file_sha256, unreadable, unreadable_fix
 
 # The token files' element types (little-endian), as meta.json names them.
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -74,6 +74,15 @@ def holds_finetuning_data(directory: str | Path) -> bool:
     return (directory / "train.jsonl").is_file() and not (directory / "train.bin").exists()
 
 
+def refuse_unreadable(where: Path, paths: list[Path]) -> None:
+    """A dataset's files this process may not read (a container's user, another user's 0600 files):
+    one line naming them, not a crash on the first one opened."""
+    blocked = unreadable([where]) or unreadable(paths)  # (a folder it cannot enter: the folder alone)
+    if blocked:
+        names = ", ".join(str(p) if p == where or where not in p.parents else p.name for p in blocked)
+        raise DataError(f"cannot read {names}: permission denied", str(where), unreadable_fix())
+
+
 def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> TokenDataset:
     """Open and check a dataset directory, in the ptbr layout (meta.json) or the older one
     (raw uint16 train.bin and a tokenizer.json given with --tokenizer). All problems in one error."""
@@ -87,6 +96,8 @@ def open_dataset(directory: str | Path, tokenizer: str | Path | None = None) -> 
             fix = ("a .jsonl is fine-tuning data (`ptbr finetune --data`); to pretrain on its texts, run "
                    f"`ptbr prepare --input {directory} --output DIR` first")
         raise DataError(f"data directory {what}: {directory}", "--data", fix)
+    refuse_unreadable(directory, [*(directory / name for name in ("train.bin", "val.bin", "meta.json", "tokenizer.json")),
+                                  *([Path(tokenizer)] if tokenizer else [])])
     if (directory / INCOMPLETE_MARKER).exists():
         raise DataError("a `ptbr prepare` into this directory did not finish: its files are incomplete", str(directory),
                         "run the same `ptbr prepare` again")

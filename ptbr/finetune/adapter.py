@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from ptbr.errors import ConfigError, ModelError, OutputError
-from ptbr.files import write_directory
+from ptbr.files import is_litter, write_directory
 from ptbr.log import log
 from ptbr.outputs import enclosing_run
 
@@ -104,12 +104,12 @@ def check_output(output: str | Path, writing: str, thing: str, replaceable, prot
     if path.exists():
         if not path.is_dir():
             raise OutputError("--output is a file", str(output), f"give a new directory for {thing}")
-        other_files = sorted(p.name for p in path.iterdir() if not replaceable(p))
+        other_files = sorted(p.name for p in path.iterdir() if not replaceable(p) and not is_litter(p))
         if other_files:
             shown = ", ".join(other_files[:4]) + (", ..." if len(other_files) > 4 else "")
             raise OutputError(f"--output already holds other files ({shown}): {writing} would replace them",
                               str(output), f"give a new directory for {thing}")
-        if any(path.iterdir()) and not earlier(path):
+        if any(not is_litter(p) for p in path.iterdir()) and not earlier(path):
             raise OutputError(f"--output holds {not_earlier}: {writing} would replace it", str(output),
                               f"give a new directory for {thing}")
     return path

@@ -2,7 +2,10 @@
 
 Backend-neutral (transformers' tokenizers need no torch): the torch and MLX backends both load the
 weights themselves, from a directory this module has checked. ptbr never downloads unless asked
-(--download): a path that does not exist is an error at once, not a minute of hub retries.
+(--download): a path that does not exist is an error at once, not a minute of hub retries. With
+--download the Hub is asked once, quickly, before anything loads: an id it does not know, or a Hub
+it cannot reach, is an error at once too (a copy in the local cache is used where the Hub cannot be
+reached); transformers alone would retry every file for about a minute first.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import re
 from pathlib import Path
 
 from ptbr.errors import ModelError
-from ptbr.files import read_json
+from ptbr.files import read_json, unreadable, unreadable_fix
+from ptbr.log import log
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # config.json entries that must be positive integers wherever they appear
@@ -21,6 +25,8 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "intermediate_size", "max_position_embeddings")
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # "gpt2" or "mistralai/Mistral-7B-v0.1"
 ORG_AND_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")  # what a mistyped path is taken for only if it has a slash
+HUB_TIMEOUT = 15.0  # seconds for the Hub's one answer about a model id (--download)
+HUB_STATES: dict[str, str] = {}  # hub_state's answers, by id, for this process
 
 
 def is_local(base: str) -> bool:
@@ -48,6 +54,12 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
         if not path.is_dir():
             raise ModelError(f"the {what} must be a directory, not a file", base,
                              "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
+        # (transformers saves weights 0600: another user's, or a host user's in a container, cannot be read)
+        blocked = unreadable([path]) or unreadable(p for p in path.iterdir() if p.is_file())
+        if blocked:
+            names = ", ".join(p.name for p in blocked[:4]) + (", ..." if len(blocked) > 4 else "")
+            raise ModelError(f"cannot read the {what}'s {'folder' if blocked == [path] else names}: permission denied",
+                             base, unreadable_fix())
         if not (path / "config.json").is_file():
             fix = "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
             if (path / "adapters" / "adapter_config.json").is_file():  # a fine-tuning run without --merge
@@ -77,11 +89,62 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
                              "download the complete model, weights included")
         return
     if download and HUB_ID.match(base):
+        hub_state(base, what)
         return
     fix = "give an existing local model directory"
     if ORG_AND_NAME.match(base):
         fix += f", or add --download to fetch {base} from the Hugging Face Hub"
     raise ModelError(f"{what} directory not found", base, fix)
+
+
+def hub_state(base: str, what: str = "base model") -> str:
+    """"online" where the Hugging Face Hub knows the id `base`, "cached" where the Hub cannot be
+    reached (or HF_HUB_OFFLINE is set) but the local cache holds the model; otherwise a ModelError
+    at once. Asked once per process and id."""
+    if base not in HUB_STATES:
+        HUB_STATES[base] = _ask_hub(base, what)
+    return HUB_STATES[base]
+
+
+def _ask_hub(base: str, what: str) -> str:
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    cached = isinstance(try_to_load_from_cache(base, "config.json"), str)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return "cached"
+        raise ModelError(f"the {what} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set", base,
+                         "unset HF_HUB_OFFLINE to download it, or give a local model directory")
+    try:
+        HfApi().model_info(base, timeout=HUB_TIMEOUT)
+    except RepositoryNotFoundError as exc:  # also a private model without a token
+        raise ModelError(f"the Hugging Face Hub has no model {base} (or it is private and you are not logged in)",
+                         base, "check the id on https://huggingface.co (ORG/NAME), or log in for a private model "
+                         "(`hf auth login`, or set HF_TOKEN)") from exc
+    except Exception as exc:  # noqa: BLE001 - no network, DNS, proxy, timeout, the Hub's own errors
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if cached:
+            log(f"warning: cannot reach the Hugging Face Hub ({reason}): using the copy of {base} in the local cache")
+            return "cached"
+        fix = ("wait and try again, or give a local model directory" if isinstance(exc, HfHubHTTPError) else
+               "check the network (Kaggle: turn the notebook's internet on, or attach the model), or give a local "
+               "model directory")
+        raise ModelError(f"cannot reach the Hugging Face Hub: {reason}", base, fix) from exc
+    return "online"
+
+
+def files_only(base: str, download: bool) -> bool:
+    """transformers' local_files_only for `base`: a local directory, a run without --download, and a
+    Hub id that check_base found only in the cache load without asking the Hub."""
+    return not download or is_local(base) or hub_state(base) == "cached"
+
+
+def model_files_only(base: str, download: bool) -> dict:
+    """from_pretrained's options for a model's files_only (transformers asks the Hub for an adapter
+    config unless told apart)."""
+    local = files_only(base, download)
+    return {"local_files_only": local, "adapter_kwargs": {"local_files_only": local}}
 
 
 def has_weights(directory: Path) -> bool:
@@ -109,7 +172,7 @@ def load_tokenizer(base: str, trust_remote_code: bool = False, download: bool = 
     check_base(base, download, weights=weights)
     try:
         tokenizer = AutoTokenizer.from_pretrained(base, trust_remote_code=trust_remote_code,
-                                                  local_files_only=not download)
+                                                  local_files_only=files_only(base, download))
     except Exception as exc:  # noqa: BLE001 - OSError, ValueError, hub errors: all mean "cannot load"
         raise load_error("tokenizer", base, exc) from exc
     if tokenizer.eos_token_id is None:

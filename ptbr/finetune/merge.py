@@ -24,7 +24,7 @@ from ptbr.finetune.adapter import (
     read_adapter_meta,
     write_adapter_meta,
 )
-from ptbr.finetune.base import check_base, load_error, local_path
+from ptbr.finetune.base import check_base, files_only, load_error, local_path, model_files_only
 from ptbr.finetune.export import adapter_as, adapter_format
 from ptbr.log import log
 
@@ -46,14 +46,15 @@ def merge_adapter(base: str, adapter: str | Path, output: str | Path, dtype: str
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    refuse_prequantized(base)
+    refuse_prequantized(base, "give the original (unquantized) model the adapter was trained on: a merge needs its "
+                        "full weights")
     torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                                     local_files_only=not download)
+                                                     **model_files_only(base, download))
         tokenizer_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code,
-                                                  local_files_only=not download)
+                                                  local_files_only=files_only(str(tokenizer_dir), download))
     except Exception as exc:  # noqa: BLE001
         raise load_error("base model", base, exc) from exc
     with ExitStack() as stack:  # an mlx-lm adapter is merged through its PEFT conversion
@@ -131,7 +132,7 @@ def _merge_with_mlx(base: str, adapter: Path, output: Path, dtype: str, trust_re
     tokenizer_dir = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code,
-                                                  local_files_only=not download)
+                                                  local_files_only=files_only(str(tokenizer_dir), download))
     except Exception as exc:  # noqa: BLE001
         raise load_error("tokenizer", str(tokenizer_dir), exc) from exc
     meta = merged_meta(base, adapter)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ptbr.config import MODES, build_settings, read_config_file, settings_fields
 from ptbr.errors import ConfigError, DataError, KaggleError, ModelError, OutputError, collect
-from ptbr.files import file_sha256, write_directory, write_json, write_text
+from ptbr.files import file_sha256, is_litter, write_directory, write_json, write_text
 from ptbr.kaggle.checkout import checkout_root, load_build_script
 from ptbr.kaggle.layout import (
     BASE,
@@ -84,7 +84,8 @@ def make_bundle(settings: BundleSettings) -> Path:
     """Write the bundle at settings.output (replacing a previous bundle there, never anything else)."""
     collect(settings.problems(), ConfigError, "ptbr kaggle bundle", "see `ptbr kaggle bundle --help`")
     output = resolved_path(settings.output, "--output")
-    if output.exists() and not is_bundle(output) and (not output.is_dir() or any(output.iterdir())):
+    if output.exists() and not is_bundle(output) and (not output.is_dir() or
+                                                     any(not is_litter(p) for p in output.iterdir())):
         raise OutputError("the output exists and is not a bundle: it would be replaced", str(output),
                           "give a new folder (or a previous bundle's) with --output")
     others = not_of_the_bundle(output) if output.exists() and is_bundle(output) else []
@@ -119,7 +120,8 @@ def not_of_the_bundle(output: Path) -> list[str]:
     written = {f"{DATASET}/{name}" for name in listed} | {
         f"{DATASET}/{BUNDLE_MARKER}", f"{DATASET}/{DATASET_METADATA}", f"{KERNEL}/{KERNEL_METADATA}",
         f"{KERNEL}/{KERNEL_FILE}"}
-    found = (path.relative_to(output).as_posix() for path in output.rglob("*") if path.is_file() or path.is_symlink())
+    found = (path.relative_to(output).as_posix() for path in output.rglob("*")
+             if (path.is_file() or path.is_symlink()) and not is_litter(path))
     return sorted(name for name in found if name not in written)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ptbr.errors import ConfigError, KaggleError, OutputError
-from ptbr.files import file_sha256, read_json, write_directory, write_json
+from ptbr.files import file_sha256, is_litter, read_json, write_directory, write_json
 from ptbr.kaggle.client import call, connect, username
 from ptbr.kaggle.layout import (
     BASE,
@@ -120,7 +120,8 @@ def check_local_files(bundle: Bundle) -> None:
             problems.append(f"{name} has changed (its sha256 differs)")
     known = set(listed) | {BUNDLE_MARKER, DATASET_METADATA}
     extra = sorted(p.relative_to(bundle.dataset).as_posix() for p in bundle.dataset.rglob("*")
-                   if (p.is_file() or p.is_symlink()) and p.relative_to(bundle.dataset).as_posix() not in known)
+                   if (p.is_file() or p.is_symlink()) and p.relative_to(bundle.dataset).as_posix() not in known
+                   and not is_litter(p))  # (a Finder .DS_Store goes up unused: the kernel reads only what is listed)
     problems += [f"{name} is not one of the bundle's files" for name in extra]
     if problems:
         shown = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
@@ -425,7 +426,8 @@ def not_downloaded(folder: Path, log_name: str) -> list[str]:
     """The files in `folder` that no previous download wrote: those its DOWNLOADED record does not
     list or, in a download from before that record (it holds the run marker or the kernel's log),
     any but the kernel output's own names (the run marker, run/..., the log)."""
-    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                   if (p.is_file() or p.is_symlink()) and not is_litter(p))
     record = read_json(folder / DOWNLOADED)
     if record is not None and isinstance(record.get("files"), list):
         written = {str(name) for name in record["files"]} | {DOWNLOADED}

@@ -66,6 +66,9 @@ class BundleSettings:
                 found.append(f"--env {setting!r} is not NAME=VALUE")
             elif SECRET_NAME.search(name):
                 found.append(f"--env {name}: a bundle holds no credentials (the kernel needs none)")
+        names = [setting.split("=", 1)[0] for setting in self.env if "=" in setting]
+        found += [f"--env {name} is given {names.count(name)} times: give it once" for name in sorted(set(names))
+                  if names.count(name) > 1]
         return found
 
     def environment(self) -> dict[str, str]:

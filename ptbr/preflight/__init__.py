@@ -127,7 +127,8 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
             processes_given = (given is None or "num_processes" in given) and settings.num_processes != "auto"
             recommendation = recommend(hardware, settings, arch, max_positions=max_positions, examples=examples,
                                        longest=longest, processes_given=processes_given)
-            checks += _memory_checks(recommendation, settings)
+            checks += _memory_checks(recommendation, settings,
+                                     limited=hardware.ram_limit is not None and recommendation.target in ("cpu", "mlx"))
             planned = recommendation.settings
         trainable = arch.parameters if mode == "pretrain" else arch.lora_parameters(settings.lora_r)
         needed, one = checkpoint_plan(planned, arch.parameters, trainable, examples)
@@ -149,7 +150,8 @@ def run_preflight(settings: LoopSettings, hardware: Hardware | None = None, load
     return result
 
 
-def _memory_checks(rec: Recommendation, settings: LoopSettings) -> list[Check]:
+def _memory_checks(rec: Recommendation, settings: LoopSettings, limited: bool = False) -> list[Check]:
+    """`limited`: the memory planned into is a container's memory limit (RAM, not a GPU's)."""
     key = seq_key(mode_of(settings))
     asked = rec.requested_estimate
     checks = []
@@ -165,9 +167,11 @@ def _memory_checks(rec: Recommendation, settings: LoopSettings) -> list[Check]:
         checks.append(Check("memory.requested", PASS, value, f"{requested}: predicted peak {asked.total / GIB:.2f} GiB "
                             f"of {rec.budget / GIB:.2f} GiB usable on {rec.target}"))
     else:
-        checks.append(Check("memory.requested", WARN, value, f"{requested}: predicted peak {asked.total / GIB:.2f} GiB, "
-                            f"more than the {rec.budget / GIB:.2f} GiB usable on {rec.target}",
-                            "train with the recommended config (same effective batch)"))
+        checks.append(Check("memory.requested", WARN if rec.fits else FAIL, value,
+                            f"{requested}: predicted peak {asked.total / GIB:.2f} GiB, more than the "
+                            f"{rec.budget / GIB:.2f} GiB usable on {rec.target}",
+                            "train with the recommended config (same effective batch)" if rec.fits else
+                            "nothing smaller fits either: see memory.recommended"))
     chosen = rec.estimate
     s = rec.settings
     value = {"settings": {k: getattr(s, k) for k in ("batch_size", "grad_accum", key, "precision",
@@ -179,9 +183,11 @@ def _memory_checks(rec: Recommendation, settings: LoopSettings) -> list[Check]:
                             f"{s.precision}, gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}: "
                             f"predicted peak {chosen.total / GIB:.2f} GiB"))
     else:
-        fix = ("use a smaller preset, or a machine with more memory" if key == "seq_len" else
-               "use --quant 4bit, fewer --target-modules (e.g. q_proj,v_proj), a smaller base, or more memory")
-        checks.append(Check("memory.recommended", FAIL, value, rec.reasons[-1], fix))
+        more = ("a higher container memory limit (e.g. docker run --memory 16g)" if limited else
+                "a machine with more memory")
+        fix = (f"use a smaller preset, or {more}" if key == "seq_len" else
+               f"use --quant 4bit, fewer --target-modules (e.g. q_proj,v_proj), a smaller base, or {more}")
+        checks.append(Check("memory.recommended", FAIL, value, rec.why_not, fix))
     return checks
 
 

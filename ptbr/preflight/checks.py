@@ -14,6 +14,7 @@ from typing import Any
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
+from ptbr.files import unwritable_fix
 from ptbr.memory import GIB, Architecture, chunked_loss_from, experts_of, loss_compiled_with_forward
 from ptbr.outputs import folder_refusal, input_refusal
 from ptbr.preflight.hardware import Hardware
@@ -49,7 +50,7 @@ def gib(n: float) -> str:
 def check_hardware(hw: Hardware, device: str, here: bool = True) -> list[Check]:
     """`here` False: `hw` is another machine's, planned for (this one's Python is not its)."""
     python = f", Python {platform.python_version()}" if here else ""
-    checks = [Check("hardware.os", PASS, hw.os, f"{hw.os}{python}, {hw.cpu_cores} CPU cores")]
+    checks = [Check("hardware.os", PASS, hw.os, f"{hw.os}{python}, {hw.cpu_cores} CPU core{'s' if hw.cpu_cores != 1 else ''}")]
     if not hw.ram_total:
         checks.append(Check("hardware.ram", WARN, None, "RAM could not be read", "install psutil"))
     else:
@@ -455,7 +456,7 @@ def check_output(output: str, needed: int | None, one_checkpoint: int | None, in
         checks.append(Check("disk.writable", PASS, str(directory), f"{directory} is writable"))
     except OSError as exc:
         checks.append(Check("disk.writable", FAIL, str(directory), f"cannot write to {directory}: {exc.strerror or exc}",
-                            "choose a directory you can write to with --output"))
+                            unwritable_fix(exc)))
         return checks
     free = shutil.disk_usage(directory).free
     value = {"free": free, "needed": needed, "one_checkpoint": one_checkpoint}

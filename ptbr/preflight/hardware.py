@@ -13,6 +13,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ptbr.cpus import usable_cpus
+
 GIB = 1024**3
 
 
@@ -82,7 +84,7 @@ def probe_hardware(use_torch: bool = True) -> Hardware:
     reason goes to `notes` (a diagnostic must not crash itself)."""
     notes: list[str] = []
     hardware = Hardware(os=f"{platform.system()} {platform.release()} {platform.machine()}",
-                        cpu_cores=os.cpu_count() or 1, ram_total=0, ram_available=0, in_kaggle=in_kaggle())
+                        cpu_cores=usable_cpus(), ram_total=0, ram_available=0, in_kaggle=in_kaggle())
     try:
         from ptbr.ram import ram
 

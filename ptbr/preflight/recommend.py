@@ -45,6 +45,9 @@ RECOMMENDED_KEYS = {
 }
 
 
+DOES_NOT_FIT = "does not fit: "  # how the reason that says so starts
+
+
 @dataclass
 class Recommendation:
     settings: LoopSettings  # the requested settings with the recommended values in place
@@ -55,6 +58,11 @@ class Recommendation:
     requested_estimate: MemoryEstimate  # of the settings as requested (on the same target)
     reasons: list[str] = field(default_factory=list)
     planned_seq: int = 0  # the sequence length the requested estimate is for
+
+    @property
+    def why_not(self) -> str | None:
+        """The reason that says the run does not fit at all (None where it fits)."""
+        return None if self.fits else next(r for r in self.reasons if r.startswith(DOES_NOT_FIT))
 
     @property
     def requested_fits(self) -> bool:
@@ -242,7 +250,7 @@ def recommend(hardware: Hardware, requested: LoopSettings, arch: Architecture, *
                                    **{key: length if length < planned else cap})
     gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
     if not fits_at_all:
-        reasons.append(f"does not fit: micro-batch 1 of {length} tokens with gradient checkpointing needs "
+        reasons.append(f"{DOES_NOT_FIT}micro-batch 1 of {length} tokens with gradient checkpointing needs "
                        f"{gib(chosen.total)}, {gib(budget)} usable")
     else:
         per = f" x {processes} processes" if processes > 1 else ""
@@ -295,6 +303,11 @@ def plan_processes(hardware: Hardware, target: str, requested: LoopSettings, rea
     the user gave is kept (--compile runs in one process), up to the GPUs there are."""
     gpus = len(hardware.gpus) if target == "cuda" else 0
     if gpus <= 1:
+        if given and str(requested.num_processes).isdigit() and int(requested.num_processes) > 1:
+            reasons.append(f"--num-processes 1, not {requested.num_processes}: " + (
+                "one GPU takes one process" if gpus else
+                f"on {'a CPU' if target == 'cpu' else target} one process already uses every core, and several would "
+                "share them (no faster, each holding the whole model): data parallelism is for several GPUs"))
         return 1
     if given and str(requested.num_processes).isdigit() and int(requested.num_processes) < gpus:
         asked = max(1, int(requested.num_processes))

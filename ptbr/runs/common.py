@@ -36,6 +36,7 @@ from ptbr.errors import (
     interrupted,
 )
 from ptbr.files import (
+    unwritable_fix,
     aside,
     first_line,
     first_missing,
@@ -57,7 +58,7 @@ from ptbr.train.checkpoint import (
     read_state,
     why_incomplete,
 )
-from ptbr.lock import LOCK_FILE, RunLock, held_if_free
+from ptbr.lock import LOCK_FILE, RunLock, held_if_free, refuse_if_in_use
 from ptbr.train.loop import OPTIMIZER_SETTINGS, LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule
@@ -80,7 +81,7 @@ def create_run_dir(output: str) -> Path:
         probe.unlink(missing_ok=True)  # a run holding the lock may have cleared it as a leftover
     except OSError as exc:
         raise OutputError(f"cannot create or write the output directory: {exc.strerror or exc}", str(run_dir),
-                          "choose a path you can write to with --output") from exc
+                          unwritable_fix(exc)) from exc
     return run_dir
 
 
@@ -101,9 +102,10 @@ def refuse_an_input_as_output(settings) -> None:
 def check_before_launch(settings) -> None:
     """What a run in one process refuses within its first second, refused before a data-parallel
     launch starts its workers (each would import torch and build its backend first, then fail with
-    the same line, seconds later): the --output, and the data's files being there."""
+    the same line, seconds later): the --output (another run's, in use), and the data's files being there."""
     refuse_an_input_as_output(settings)
     _refuse_a_folder_that_cannot_hold_a_run(settings.output)
+    refuse_if_in_use(Path(settings.output))  # before the launch writes its workers' logs into it
     if settings.command == "finetune":
         from ptbr.finetune.data import data_paths
 
@@ -168,8 +170,10 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
         yield run_dir
     except BaseException as exc:
         if "log" in held and not isinstance(exc, SystemExit):
-            stopped = isinstance(exc, KeyboardInterrupt)  # the line the CLI prints, fix included
-            to_file_only(held["log"], interrupted(exc, settings.command).one_line() if stopped
+            # the line the CLI prints, fix included (not a crash where another rank's process went away)
+            by_another = world.stopped_by_another(exc, settings.command)
+            to_file_only(held["log"], interrupted(exc, settings.command).one_line() if isinstance(exc, KeyboardInterrupt)
+                         else by_another.one_line() if by_another is not None
                          else error_line(exc, "crash_report.txt in this directory"))
         # a user's error (bad data, a checkpoint refused) or a stop before the run trained: the
         # directory this run made holds only its log, lock and run_config.json (bad validation data
@@ -420,7 +424,7 @@ OPTIONAL_IDENTITY = {"group_by_length": False}
 
 
 # keys of a run's identity that older checkpoints lack altogether: compared where recorded
-NEWER_IDENTITY = {"base_weights"}
+NEWER_IDENTITY = {"base_weights", "lora_dropout"}
 
 
 # what a fingerprint in a run's identity covers, for the line that says it differs

@@ -122,7 +122,8 @@ def identity(settings: FinetuneConfig, train: JsonlReport, backend) -> dict:
     # layout of the day puts them, a copy on another disk) is the same base
     return {"mode": "finetune", "backend": backend.name, "base_files": fingerprint(settings.base),
             "base_weights": weights_sample(settings.base), "quant": settings.quant, "lora_r": settings.lora_r,
-            "lora_alpha": settings.lora_alpha, "target_modules": settings.target_modules,
+            "lora_alpha": settings.lora_alpha, "lora_dropout": settings.lora_dropout,
+            "target_modules": settings.target_modules,
             "train_examples": len(train.examples), "train_data": digest.hexdigest()[:16],
             "seed": settings.seed, "effective_batch": effective_batch(settings, backend.world),
             **({"group_by_length": True} if settings.group_by_length else {})}  # absent: older checkpoints' order
@@ -198,6 +199,7 @@ def _train(settings: FinetuneConfig, backend, loaded: Loaded, run_dir: Path, wat
     settings = settings.resolve_steps(source.steps_per_epoch)
     log(f"{len(train.examples)} training examples ({train.schema}), {source.steps_per_epoch} steps per epoch "
         f"(batch {settings.batch_size} x grad_accum {settings.grad_accum}"
+        f"{f' x {world.size} processes' if world.size > 1 else ''}"
         f"{', grouped by length' if settings.group_by_length else ''}): {settings.max_steps} steps = "
         f"{settings.max_steps / source.steps_per_epoch:.2f} epochs, warmup {settings.warmup_steps}")
     given, resume = loaded.resume

@@ -129,7 +129,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
         eval_batches = [windows_to_batch(w) for w in windows] or None
         if eval_batches:
             count = sum(len(w) for w in windows)
-            log(f"evaluation: {count} windows of val.bin ({count * settings.seq_len:,} target tokens of its "
+            log(f"evaluation: {count} window{'s' if count != 1 else ''} of val.bin ({count * settings.seq_len:,} target tokens of its "
                 f"{len(dataset.val):,}), the same every time"
                 + (f" (as the run started; --eval-batches x the global micro-batch is {default} now)"
                    if planned != default else ""))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import threading
 import time
@@ -84,7 +85,15 @@ class Callbacks:
 
 class GracefulStop:
     """SIGTERM/SIGINT set a flag that the loop reads at the step boundary; a second Ctrl-C
-    interrupts at once."""
+    interrupts at once.
+
+    The signal named in the stop is the first one: a launcher that passes one on must not rename
+    it. A worker of torch's launcher (torchrun, accelerate, --num-processes) runs in a session of
+    its own, so a Ctrl-C in the terminal reaches it only through the launcher, which passes the
+    first signal on as it came and the second, whatever it was, as SIGTERM: there a SIGTERM after
+    a SIGINT is that second Ctrl-C, and stops at once too. A process in its launcher's (or the
+    terminal's) session gets the terminal's Ctrl-C itself, and a launcher's SIGTERM a moment
+    later may be that same Ctrl-C passed on: there only a second SIGINT stops at once."""
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -97,13 +106,28 @@ class GracefulStop:
         return self
 
     def _handle(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-        log(f"{self.signal_name} received: saving a checkpoint at the end of this step, then stopping")
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name = name
+            log(f"{name} received: saving a checkpoint at the end of this step, then stopping")
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        elif self.signal_name == "SIGINT" and _in_a_session_of_its_own():
+            raise KeyboardInterrupt(name)  # the second Ctrl-C, passed on by a launcher
+        else:
+            log(f"{name} received: already stopping at the end of this step")
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _in_a_session_of_its_own() -> bool:
+    """True in a session leader (torch's launcher starts every worker with setsid): no terminal
+    signal reaches it but through its launcher."""
+    try:
+        return os.getsid(0) == os.getpid()
+    except (AttributeError, OSError):  # no sessions (Windows)
+        return False
 
 
 def describe_batch(batch: Batch) -> str:

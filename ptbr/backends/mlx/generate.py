@@ -36,9 +36,12 @@ def load_for_generation(model_dir: Path, adapter: Path | None):
 
 
 def generate(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: int, temperature: float, top_k: int,
-             seed: int, until: Callable[[list[int]], bool] | None = None) -> list[int]:
+             seed: int, until: Callable[[list[int]], bool] | None = None) -> tuple[list[int], bool]:
     """The new token ids after `prompt_ids`: greedy at temperature 0, else sampled among the top k;
-    up to a token of `eos_ids`, or the first new tokens `until` says end the answer."""
+    up to a token of `eos_ids`, or the first new tokens `until` says end the answer. And whether the
+    model's output stayed finite: a model whose weights hold a NaN (a damaged file, a diverged run)
+    gives NaN logits, from which greedy decoding picks a meaningless token and sampling noise; the
+    tokens stop before the first such step, for the caller to refuse the model (as torch does)."""
     import mlx.core as mx
     load_mlx_lm()  # first: keeps the open-file limit (file_limit.py)
     from mlx_lm.generate import generate_step
@@ -49,12 +52,25 @@ def generate(model, prompt_ids: list[int], eos_ids: set[int], max_new_tokens: in
     if isinstance(vocab, int) and top_k >= vocab:  # every token: no cut (as torch samples); mlx-lm refuses it
         top_k = 0
     sampler = make_sampler(temp=temperature, top_k=top_k if temperature > 0 else 0)
+    finite = []  # per step, whether all its logits were finite
+
+    def checked(logprobs):  # (1, vocab)
+        # the token depends on the check, so evaluating the token (generate_step does, for each step
+        # ahead of time) evaluates the check too: reading it afterwards costs no evaluation of its own.
+        # A step that is not finite gives token 0, which is never shown.
+        ok = mx.isfinite(logprobs).all()
+        finite.append(ok)
+        return mx.where(ok, sampler(logprobs), 0)
+
     tokens = []
-    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_new_tokens, sampler=sampler):
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_new_tokens, sampler=checked)
+    for step, (token, _) in enumerate(steps):
+        if not finite[step].item():
+            return tokens, False
         token = int(token)
         if token in eos_ids:
             break
         tokens.append(token)
         if until is not None and until(tokens):
             break
-    return tokens
+    return tokens, True

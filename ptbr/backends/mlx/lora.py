@@ -12,7 +12,7 @@ from pathlib import Path
 from ptbr.backends.mlx.file_limit import load_mlx_lm
 from ptbr.errors import ConfigError, ModelError
 from ptbr.files import telling_line
-from ptbr.finetune.base import check_base, load_error, max_positions, read_config
+from ptbr.finetune.base import check_base, files_only, load_error, max_positions, read_config
 from ptbr.log import log
 
 GROUP_SIZE = 64  # MLX's affine quantization: one scale and one bias per 64 weights
@@ -88,7 +88,8 @@ def local_model_dir(name: str, download: bool, what: str = "base model") -> Path
 
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                            "*.jinja", "*.tiktoken"]))
+                                                            "*.jinja", "*.tiktoken"],
+                                      local_files_only=files_only(name, download)))
     except Exception as exc:  # noqa: BLE001 - network, missing repository, authentication
         raise load_error(what, name, exc) from exc
 

@@ -143,7 +143,11 @@ def checkpoint_layers(model) -> int:
     from MLX's global generator, which has moved on: the gradients would belong to another loss than
     the one computed (torch restores its generator for the recomputation). So each call of a layer
     draws keys from the global generator once, outside the recomputed part, and its dropouts make
-    their masks from those keys, the same in the forward pass and in the recomputation."""
+    their masks from those keys, the same in the forward pass and in the recomputation. Only while
+    its dropouts are on (training): an evaluation that drew keys would move the generator, and the
+    training steps after it would draw other masks, so that a run's losses depended on how often it
+    evaluated (the compiled evaluation carries MLX's random state; without checkpointing, and on
+    torch, an evaluation draws nothing)."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -156,7 +160,7 @@ def checkpoint_layers(model) -> int:
         base = type(layer)
         if base not in subclasses:
             def __call__(self, *args, _base=base, **kwargs):
-                dropouts = [m for _, m in self.named_modules() if isinstance(m, keyed)]
+                dropouts = [m for _, m in self.named_modules() if isinstance(m, keyed) and m.drops()]
                 keys = mx.random.split(_fresh_key(), len(dropouts)) if dropouts else []
 
                 def run(params, *inner):
@@ -187,8 +191,12 @@ def _keyed_dropout_class():
     global _KeyedDropout
     if _KeyedDropout is None:
         class KeyedDropout(nn.Dropout):
+            def drops(self) -> bool:
+                """Whether a call draws a mask (training, and a dropout above 0)."""
+                return self.training and self._p_1 != 1
+
             def __call__(self, x):
-                if self._p_1 == 1 or not self.training:
+                if not self.drops():
                     return x
                 mask = mx.random.bernoulli(self._p_1, x.shape, key=self.get("_key"))
                 return (mask * x) * (1 / self._p_1)

@@ -15,6 +15,7 @@ from ptbr.backends.torch.allocator import (
 )
 from ptbr.backends.torch.device import (
     Placement,
+    fit_threads_to_cpus,
     reset_peak_memory,
     resolve_device,
     resolve_precision,
@@ -29,6 +30,17 @@ from ptbr.versions import package_versions
 # What an out-of-memory looks like where torch does not raise torch.OutOfMemoryError (CPU, MPS).
 MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory",
                 "failed to allocate")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError (CUDA), or an allocation failure on CPU/MPS (a RuntimeError)."""
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc).lower() for word in MEMORY_WORDS)
+
+
 TORCH_PACKAGES = ("ptbr", "torch", "transformers", "accelerate", "tokenizers", "safetensors", "numpy", "peft",
                   "bitsandbytes")
 
@@ -60,6 +72,9 @@ class TorchBackend:
                 logging.getLogger("ptbr").setLevel(logging.WARNING)
         if resolved.type == "cpu":
             return_freed_memory()  # peaks as the memory model predicts, until a run keeps freed memory
+            said = fit_threads_to_cpus()
+            if said:
+                log(said)
         return cls(resolve_precision(resolved, precision, pretraining), world)
 
     def keep_freed_memory(self) -> str:
@@ -187,12 +202,7 @@ class TorchBackend:
     # ---- memory -----------------------------------------------------------------------------
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
-        """torch's OutOfMemoryError (CUDA), or an allocation failure on CPU/MPS (a RuntimeError)."""
-        import torch
-
-        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-            return True
-        return isinstance(exc, RuntimeError) and any(word in str(exc).lower() for word in MEMORY_WORDS)
+        return is_out_of_memory(exc)
 
     def memory_report(self) -> str:
         import torch

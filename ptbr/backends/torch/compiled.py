@@ -21,6 +21,7 @@ import shutil
 from contextlib import contextmanager
 
 from ptbr.errors import ConfigError
+from ptbr.versions import image_variant
 
 MIN_TRITON_CAPABILITY = (7, 0)  # Triton's GPUs: Volta and newer (Kaggle's P100, 6.0, is not)
 
@@ -65,7 +66,10 @@ def check_compile(device, processes: int) -> None:
             variable = "CXX" if kind == "cpu" else "CC"
             problems.append(f"no {language} compiler found, which torch.compile needs on {kind} (tried "
                             f"{', '.join(commands)}; ${variable} names another)")
-            fixes.append(f"install one (e.g. apt install {'g++' if kind == 'cpu' else 'gcc'})")
+            variant = image_variant()
+            fixes.append(f"build an image of your own with one (the ptbr-{variant} image holds none, and has no "
+                         "network or root to add one)" if variant else
+                         f"install one (e.g. apt install {'g++' if kind == 'cpu' else 'gcc'})")
         if kind == "cuda":
             import torch
             from torch.utils._triton import has_triton

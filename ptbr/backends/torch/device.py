@@ -154,3 +154,23 @@ def peak_resident_bytes() -> int:
         return int(getattr(info, "peak_wset", info.rss))
     peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def fit_threads_to_cpus() -> str | None:
+    """torch's CPU thread pool within the CPUs this process may use (ptbr/cpus.py: a container's CPU
+    quota, a cpuset): torch counts the machine's cores, and a quota below them throttles every step.
+    OMP_NUM_THREADS, where set, is the user's (or a data-parallel launcher's) choice and is kept.
+    Returns the line that says what changed, None where nothing did."""
+    import os
+
+    import torch
+
+    from ptbr.cpus import usable_cpus
+
+    threads, usable = torch.get_num_threads(), usable_cpus()
+    if "OMP_NUM_THREADS" in os.environ or threads <= usable:
+        return None
+    torch.set_num_threads(usable)
+    many = "s" if usable > 1 else ""
+    return (f"torch: {usable} CPU thread{many}, not {threads}: this process may use {usable} CPU{many} (a container's "
+            "CPU quota or a CPU affinity), and more threads would be throttled")

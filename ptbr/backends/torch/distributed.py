@@ -8,8 +8,10 @@ model. This module only sets the processes up and lets them agree.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
 import uuid
@@ -19,7 +21,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from ptbr.backends.world import shared
+from ptbr.cpus import usable_cpus
 from ptbr.errors import EXIT_CODES, DeviceError, Interrupted, PtbrError
+from ptbr.lock import held_if_free
+from ptbr.log import attach_run_log, detach, to_file_only
 
 T = TypeVar("T")
 
@@ -120,6 +125,9 @@ class TorchWorld:
             _release_what_holds_the_group()
             dist.destroy_process_group()
 
+    def stopped_by_another(self, exc: BaseException, command: str) -> Interrupted | None:
+        return stopped_by_another_rank(exc, command)
+
 
 def exit_a_failed_rank(code: int) -> None:
     """A rank of several that fails ends here, at once, with its exit code `code`. Its process group
@@ -152,6 +160,44 @@ def exit_a_failed_rank(code: int) -> None:
     except (OSError, AttributeError):
         pass
     os._exit(code)
+
+
+# what a collective (or the rendezvous store) says when another rank's process has gone: gloo's and
+# the store's sockets, NCCL's remote errors (lower case)
+ANOTHER_RANK_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exit",
+                     "ncclremoteerror")
+
+
+def stopped_by_another_rank(exc: BaseException, command: str) -> Interrupted | None:
+    """What to say where `exc` ended a rank of several because another rank's process went away
+    (killed, or ended by its own error) while this one waited for it in a collective: this rank
+    stopped, it did not crash (no crash report, no "bug in ptbr"), and the rank that went first
+    says why (the launcher's last line names it). Exit code 130, which the launcher counts as a
+    rank stopped because of another, as it counts its own SIGTERM. None for anything else."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        rank, size = dist.get_rank(), dist.get_world_size()
+    except (AttributeError, RuntimeError):  # a half-imported torch, a group torn down: no group
+        return None
+    network_error = getattr(dist, "DistNetworkError", ())
+    seen, cause = set(), exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        message = str(cause).strip()
+        if isinstance(cause, network_error) or (isinstance(cause, RuntimeError)
+                                                and any(s in message.lower() for s in ANOTHER_RANK_GONE)):
+            # gloo's first sentence, without its source file ([.../gloo/transport/tcp/pair.cc:537] Read error
+            # [127.0.0.1]:27031: Connection reset by peer. This is typically caused by ...)
+            first = message.splitlines()[0].split(". ")[0] if message else type(cause).__name__
+            reason = re.sub(r"^\[[^\]]*\]\s*", "", first)
+            return Interrupted(f"rank {rank} of {size} stopped: another rank's process went away while this one "
+                               f"waited for it ({reason})", f"ptbr {command}",
+                               "see why that rank stopped: the launcher's last line (or, under torchrun, that "
+                               "rank's output) names it")
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _import_what_would_keep_the_group_alive() -> None:
@@ -213,8 +259,9 @@ def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> 
     """Run `ptbr ARGV` as `processes` workers on this machine (torchrun --standalone) and return
     the run's exit code: 0, or the documented code of the first rank that failed. Rank 0 writes to
     this terminal; the other ranks' output goes to LOGS/RUN_ID_*/attempt_0/RANK/stderr.log, one
-    RUN_ID folder per launch. SIGTERM/SIGINT reach every rank, which save one checkpoint together
-    and stop (130)."""
+    RUN_ID folder per launch (LOGS is OUTPUT/workers: a failure's line also goes to OUTPUT/train.log).
+    SIGTERM/SIGINT reach every rank, which save one checkpoint together and stop (130); a second
+    one is passed on as it came, so that a second Ctrl-C stops them at once."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -228,37 +275,139 @@ def launch(processes: int, argv: list[str], logs: Path, debug: bool = False) -> 
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     logs.mkdir(parents=True, exist_ok=True)
     quiet = {rank: Std.ALL for rank in range(1, processes)}
+    options = {}
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # (not in older torch)
+        options["signals_to_handle"] = "SIGHUP,SIGQUIT"  # SIGINT and SIGTERM: _PassingStopSignalsOn
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-                          logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=quiet))
-    # the workers share the machine's cores (torchrun's own default is 1 thread each)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+                          logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=quiet), **options)
+    # the workers share the CPUs this process may use (ptbr/cpus.py; torchrun's own default is 1 thread each)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // processes)))
     # signalled (Ctrl-C, SIGTERM), the launcher passes the signal on and kills the workers after this
     # many seconds: torch's 30 are less than a large checkpoint takes to write (torch >= 2.11 reads it)
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
     try:
-        elastic_launch(config, sys.executable)("-m", "ptbr", *argv)
+        with _PassingStopSignalsOn(SignalException):
+            elastic_launch(config, sys.executable)("-m", "ptbr", *argv)
         return 0
     except SignalException:
         return Interrupted.exit_code  # the workers were told, and saved their checkpoint
     except ChildFailedError as exc:
-        # a rank that stopped with a documented code said why (rank 0 on this terminal: prefer it);
-        # the others were stopped by the launcher when the first one ended (its SIGTERM: 130, or
-        # killed by it, -15, where it came as that rank was already exiting)
-        stopped = (Interrupted.exit_code, -signal.SIGTERM)
-        failed = {r: f for r, f in exc.failures.items() if f.exitcode not in stopped}
-        if not failed:  # a stop signal to one rank: every rank saved the checkpoint and stopped
-            return Interrupted.exit_code
-        documented = {r: f for r, f in failed.items() if f.exitcode in EXIT_CODES and f.exitcode != 1}
-        first = min(failed.items(), key=lambda item: item[1].timestamp)
-        rank, failure = ((0, documented[0]) if 0 in documented else min(documented.items()) if documented else first)
-        code = failure.exitcode if failure.exitcode in EXIT_CODES else 1
-        if rank != 0:  # rank 0 was stopped before it could say anything: the failing rank's own line
-            # this launch's logs (LOGS/RUN_ID_*/attempt_0/RANK/), not an earlier session's
-            where = next(iter(sorted(logs.glob(f"{config.run_id}*/attempt_*/{rank}/stderr.log"))), None)
-            said = [line for line in (where.read_text(errors="replace").splitlines() if where else [])
-                    if line.startswith("error: ")]
-            print(said[-1] if said else PtbrError(f"rank {rank} of {processes} stopped with exit code "
-                                                  f"{failure.exitcode}", str(where or logs),
-                                                  "its log names the problem").one_line(), file=sys.stderr, flush=True)
-        return code
+        return _say_why_a_rank_failed(exc.failures, processes, logs, config.run_id)
+
+
+class _PassingStopSignalsOn:
+    """The launcher's SIGINT and SIGTERM. The first raises torch's SignalException, as torch's own
+    handler does: the launcher passes that signal on to every worker and waits for them to save
+    their checkpoint (SHUTDOWN_GRACE_S). torch's handler would raise again at the second, cutting
+    that wait short, and its launcher then sends every worker SIGTERM and waits once more: a second
+    Ctrl-C reached the workers as a first SIGTERM, and the run stopped only after its checkpoint.
+    Here a later signal is passed on to the workers as it came (a second SIGINT stops them at once,
+    ptbr/train/loop.py GracefulStop) while the launcher goes on waiting for them. Where torch takes
+    the signals itself (a torch whose LaunchConfig has no signals_to_handle), GracefulStop takes the
+    SIGTERM after a SIGINT for the second Ctrl-C."""
+
+    def __init__(self, signal_exception: type[Exception]):
+        import psutil
+
+        self.signal_exception = signal_exception
+        self.launcher = psutil.Process()
+        self.received: str | None = None
+        self.previous = {}
+
+    def __enter__(self) -> _PassingStopSignalsOn:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        sig = signal.Signals(signum)
+        workers = self.launcher.children()
+        if self.received is None:
+            if not workers:  # none started yet: the launch stops as any command does (ptbr/cli.py), with a line
+                raise KeyboardInterrupt(*([] if sig == signal.SIGINT else [sig.name]))
+            self.received = sig.name
+            raise self.signal_exception(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        for worker in workers:
+            try:
+                os.killpg(worker.pid, sig)  # each worker leads a process group (torch starts it with setsid)
+            except OSError:  # it has exited meanwhile
+                pass
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _say_why_a_rank_failed(failures: dict, processes: int, logs: Path, run_id: str) -> int:
+    """The run's exit code after a launch whose ranks did not all succeed, and its last line: the
+    failing rank's own (rank 0 printed it here already), or what killed it. The ranks stopped because
+    of it do not count: the launcher's SIGTERM (130, or -15 for a rank that was already exiting), and
+    a rank whose collective failed as the other went away (130, stopped_by_another_rank). The line
+    also ends OUTPUT/train.log, which `ptbr monitor` and `ptbr report` read."""
+    stopped = (Interrupted.exit_code, -signal.SIGTERM)
+    failed = {rank: f for rank, f in failures.items() if f.exitcode not in stopped}
+    if not failed:  # a stop signal to one rank: every rank saved the checkpoint and stopped
+        return Interrupted.exit_code
+    documented = {rank: f for rank, f in failed.items() if f.exitcode in EXIT_CODES and f.exitcode != 1}
+    killed = {rank: f for rank, f in failed.items() if f.exitcode < 0}
+    first = documented or killed or failed  # (a rank that crashed may have done so as another was killed)
+    # rank 0's documented error is on this terminal; torch times failures to the second only
+    rank = 0 if 0 in documented else min(first, key=lambda r: (first[r].timestamp, r))
+    failure = failed[rank]
+    # a rank a signal killed: 128 + the signal, as a shell reports a process of its own so killed (137: SIGKILL)
+    code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode if failure.exitcode in EXIT_CODES else 1
+    if rank == 0 and failure.exitcode >= 0:
+        return code  # rank 0 said why, here and in train.log
+    # this launch's logs (LOGS/RUN_ID_*/attempt_0/RANK/), not an earlier session's
+    where = next(iter(sorted(logs.glob(f"{run_id}*/attempt_*/{rank}/stderr.log"))), None) if rank else None
+    line = _why_a_rank_stopped(rank, processes, failure.exitcode, where, logs)
+    print(line, file=sys.stderr, flush=True)
+    _add_to_the_run_log(logs.parent, line)
+    return code
+
+
+# signals that end a process from inside: a crash in native code (faulthandler prints every stack)
+CRASH_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
+
+
+def _why_a_rank_stopped(rank: int, processes: int, exit_code: int, log_file: Path | None, logs: Path) -> str:
+    """One line for a rank that failed: the last error line it printed to its log, or what a signal
+    that killed it usually means (a negative exit code: it had no chance to say anything)."""
+    where = str(log_file or (logs if rank else "rank 0's output above"))
+    if exit_code >= 0:
+        said = [line for line in (log_file.read_text(errors="replace").splitlines() if log_file else [])
+                if line.startswith("error: ")]
+        return said[-1] if said else PtbrError(f"rank {rank} of {processes} stopped with exit code {exit_code}",
+                                               where, "its log names the problem").one_line()
+    try:
+        name = signal.Signals(-exit_code).name
+    except ValueError:
+        name = f"signal {-exit_code}"
+    what = f"rank {rank} of {processes} was killed by {name}"
+    if name == "SIGKILL":
+        what += " (often the out-of-memory killer: `dmesg` or `journalctl -k` says so)"
+        fix = ("if memory ran out, lower --batch-size (raising --grad-accum) or ask `ptbr preflight` for a config "
+               "that fits; run the same command again to resume from the last checkpoint")
+    elif name in CRASH_SIGNALS:
+        what += " (a crash in native code: its output ends with every thread's Python stack)"
+        fix = "this is a bug in ptbr or a library it uses, please report it with that log"
+    else:
+        fix = "run the same command again to resume from the last checkpoint"
+    return PtbrError(what, where, fix).one_line()
+
+
+def _add_to_the_run_log(run_dir: Path, line: str) -> None:
+    """`line` at the end of run_dir/train.log, where the run wrote one and no run holds it now."""
+    if not (run_dir / "train.log").is_file():
+        return
+    with held_if_free(run_dir) as free:
+        if free:
+            handler = attach_run_log(run_dir)
+            try:
+                to_file_only(handler, line)
+            finally:
+                detach(handler)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ptbr.config import lora_dropout_impl
 from ptbr.errors import ConfigError, DeviceError, ModelError
-from ptbr.finetune.base import check_base, load_error, local_path
+from ptbr.files import read_json
+from ptbr.finetune.base import check_base, load_error, local_path, model_files_only
 from ptbr.log import log
 
 
@@ -149,7 +150,7 @@ def load_model(settings, placement) -> AdaptedModel:
     if quantization is not None:
         options["quantization_config"] = quantization
         options["device_map"] = {"": placement.device}
-    options["local_files_only"] = not settings.download
+    options.update(model_files_only(settings.base, settings.download))
     try:
         # a local base by its absolute path: adapter_config.json records it for loading without ptbr
         base = AutoModelForCausalLM.from_pretrained(local_path(settings.base), **options)
@@ -212,7 +213,31 @@ def keep_4bit_layout(model) -> int:
     return switched
 
 
-def refuse_prequantized(base: str) -> None:
+def mlx_quantization(config: dict | None) -> dict | None:
+    """MLX's quantization of a model saved by `mlx_lm.convert -q` ({"group_size", "bits", ...}), None
+    for any other: mlx-lm writes `quantization` (and copies it to `quantization_config`, without the
+    `quant_method` every transformers quantization names), on which transformers fails with "...
+    has no `quant_method` attribute", naming neither MLX nor what to do."""
+    if not isinstance(config, dict) or not isinstance(config.get("quantization"), dict):
+        return None
+    copy = config.get("quantization_config")
+    return None if isinstance(copy, dict) and copy.get("quant_method") else config["quantization"]
+
+
+def refuse_mlx_quantized(model: str, what: str, fix: str) -> None:
+    """A ModelError where `model` is saved in MLX's quantized format, which transformers cannot load."""
+    quantization = mlx_quantization(read_json(Path(model).expanduser() / "config.json"))
+    if quantization is not None:
+        raise ModelError(f"the {what} is in MLX's quantized format ({quantization.get('bits')}-bit, made by "
+                         "mlx_lm.convert -q: config.json has `quantization`, no `quant_method`), which the torch "
+                         "backend cannot load", model, fix)
+
+
+def refuse_prequantized(base: str, mlx_fix: str = "fine-tune it with --backend mlx, which trains on it as it is, "
+                        "or give the original (unquantized) model") -> None:
+    """A base saved quantized: the torch backend quantizes the original itself (--quant).
+    `mlx_fix`: what to do with a base in MLX's format (fine-tuning and merging differ)."""
+    refuse_mlx_quantized(base, "base model", mlx_fix)
     config = Path(base).expanduser() / "config.json"
     if config.is_file():
         try:

@@ -270,6 +270,10 @@ def command() -> int:
     process's entry point, and leaves SIGINT/SIGTERM ending the process at once (_keep_the_outcome)."""
     global _AS_COMMAND
     _AS_COMMAND = True
+    # registered before any library is imported, so that it runs after all of their exit hooks
+    # (they run last-registered first): see _keep_the_outcome
+    atexit.unregister(_ignore_stop_signals)
+    atexit.register(_ignore_stop_signals)
     try:
         code = main()
     finally:
@@ -321,21 +325,27 @@ def _keep_the_outcome(code: int) -> None:
     def leave(signum, frame) -> None:
         _exit_now(code)
 
+    global _OUTCOME_KEPT
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, leave)
-    # Python's handlers end where the interpreter's teardown begins (it puts the default back, which
-    # ends the process by the signal), yet modules are torn down after that (torch's: the second
-    # above): ignored from the last exit hook on, the signals leave the code alone. (Non-daemon
-    # threads are joined before the exit hooks run, so nothing can wait on them then.)
-    atexit.unregister(_ignore_stop_signals)
-    atexit.register(_ignore_stop_signals)
+    _OUTCOME_KEPT = True
+
+
+# True once a command's result is kept: Python's handlers (`leave`) end where the interpreter's
+# teardown begins (it puts the defaults back, which end the process by the signal), yet modules are
+# torn down after that (torch's: the second above). The last exit hook (command() registers it before
+# any library registers its own) ignores the signals from then on, so that they leave the code alone;
+# every exit hook before it can still be stopped, by `leave`. (Non-daemon threads are joined before
+# the exit hooks run, so nothing can wait on them then.)
+_OUTCOME_KEPT = False
 
 
 def _ignore_stop_signals() -> None:
     import signal
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    if _OUTCOME_KEPT:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _forget_caught_interrupts() -> None:

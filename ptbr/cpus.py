@@ -5,7 +5,8 @@ torch sizes its thread pool by the machine's cores: in a container given 4 CPUs 
 runs dozens of threads against a quota of 4, and the kernel throttles them all, every step (a CPU
 run many times slower than it could be). The quota lives in the process's control group:
 - cgroup v2: `cpu.max` ("QUOTA PERIOD", or "max PERIOD" for none) of the group and each one above it;
-- cgroup v1: `cpu.cfs_quota_us` (-1: none) over `cpu.cfs_period_us` of the cpu controller's group.
+- cgroup v1: `cpu.cfs_quota_us` (-1: none) over `cpu.cfs_period_us` of the cpu controller's group and
+  each one above it.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def _v2(root: Path, path: str) -> float | None:
 
 
 def _v1(root: Path, path: str) -> float | None:
-    folder = root / path.lstrip("/")
-    if not (folder / "cpu.cfs_quota_us").exists():  # a container's own namespace
-        folder = root
-    quota = int((folder / "cpu.cfs_quota_us").read_text())
-    if quota <= 0:  # -1: no quota
-        return None
-    return quota / int((folder / "cpu.cfs_period_us").read_text())
+    found = None
+    for folder in ram.groups_up(root, path):  # (a systemd slice's CPUQuota sits on a group above)
+        quota_file = folder / "cpu.cfs_quota_us"
+        if quota_file.exists() and (quota := int(quota_file.read_text())) > 0:  # -1: no quota
+            cpus = quota / int((folder / "cpu.cfs_period_us").read_text())
+            found = cpus if found is None else min(found, cpus)
+    return found

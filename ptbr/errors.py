@@ -21,6 +21,8 @@ EXIT_CODES: dict[int, str] = {
         "bundle's wheels could not be downloaded",
     130: "stopped by SIGTERM/SIGINT: a run that had started training saved a checkpoint first (run the same "
          "command to resume); anything else stopped without saving",
+    137: "a rank of a --num-processes run was killed by SIGKILL (often the out-of-memory killer); by another "
+         "signal N: 128 + N",
     141: "the reader of ptbr's output went away (e.g. `ptbr info | head -1`)",
 }
 

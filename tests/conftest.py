@@ -25,14 +25,20 @@ PT_TEXT = [
 @pytest.fixture(autouse=True)
 def _reset_global_state(monkeypatch):
     """Each test starts without ptbr log handlers left by another, without PTBR_DEBUG, and without
-    the Hub's answers another test had (ptbr.finetune.base.HUB_STATES)."""
+    the Hub's answers another test had (ptbr.finetune.base.HUB_STATES); a test that runs cli.command()
+    leaves no exit hook that would ignore stop signals in pytest's own teardown."""
+    import atexit
+
+    from ptbr import cli
     from ptbr.finetune import base
 
     monkeypatch.delenv("PTBR_DEBUG", raising=False)
     monkeypatch.setattr(base, "HUB_STATES", {})
+    monkeypatch.setattr(cli, "_OUTCOME_KEPT", False)
     logger = logging.getLogger("ptbr")
     before = list(logger.handlers)
     yield
+    atexit.unregister(cli._ignore_stop_signals)
     for handler in list(logger.handlers):
         if handler not in before:
             logger.removeHandler(handler)

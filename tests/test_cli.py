@@ -416,6 +416,25 @@ def test_a_sigterm_in_the_interpreters_module_teardown_keeps_the_exit_code():
     assert (done.returncode, done.stderr) == (0, "")
 
 
+def test_a_stop_signal_still_ends_an_exit_hook_that_hangs():
+    """The signals are ignored only after every library's exit hook (torch's, multiprocessing's):
+    ignored from the first hook on, one that hung could be ended by SIGKILL alone (a data-parallel
+    rank waited out the launcher's 600 s)."""
+    script = ("import atexit, os, signal, sys, time\n"
+              "import ptbr.cli as cli\n"
+              "def hangs():\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(30)\n"
+              "def finished(argv=None):\n"
+              "    atexit.register(hangs)  # as a library imported by the command registers its own\n"
+              "    return 0\n"
+              "cli.main = finished\n"
+              "sys.exit(cli.command())\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "") and time.monotonic() - started < 15
+
+
 def test_a_sigterm_between_the_result_and_the_exit_keeps_the_exit_code():
     """main() put SIGTERM's default back as the command returned, before command() made a signal
     keep the result: a SIGTERM in between (here: while main() flushes stdout) ended the process

@@ -47,6 +47,9 @@ def test_cgroup_v1_the_cpu_controllers_quota(tmp_path):
     assert cpu_quota(root, proc) == 1.5
     write(root / "cpu,cpuacct" / "docker" / "abc", cpu_cfs_quota_us="-1")
     assert cpu_quota(root, proc) is None
+    write(root / "cpu,cpuacct" / "docker", cpu_cfs_quota_us="300000", cpu_cfs_period_us="100000")  # a slice's quota
+    assert cpu_quota(root, proc) == 3.0
+    write(root / "cpu,cpuacct" / "docker", cpu_cfs_quota_us="-1")
     assert cpu_quota(tmp_path / "none", tmp_path / "none") is None  # no cgroup file system: no quota
     write(root / "cpu,cpuacct" / "docker" / "abc", cpu_cfs_quota_us="garbage")
     assert cpu_quota(root, proc) is None

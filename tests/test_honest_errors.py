@@ -56,15 +56,27 @@ def test_a_missing_base_is_refused_at_once_without_asking_a_hub(tmp_path, capsys
         assert (hint in line) if hint else ("--download" not in line)
 
 
-class _NoSuchModel(http.server.BaseHTTPRequestHandler):
-    """The Hub's answer for an id it does not know."""
+class _FakeHub(http.server.BaseHTTPRequestHandler):
+    """The Hub's answers about model ids: someone/gated (public card, files behind its terms),
+    someone/locked (this token may not read it), any other id unknown."""
 
     def do_GET(self):  # noqa: N802 - http.server's name
-        self.send_response(404)
-        self.send_header("X-Error-Code", "RepoNotFound")
+        if self.path.startswith("/api/models/someone/gated/auth-check"):
+            self.answer(403, b'{"error": "Access to model someone/gated is restricted."}', "GatedRepo")
+        elif self.path.startswith("/api/models/someone/gated"):
+            self.answer(200, b'{"id": "someone/gated", "_id": "1", "gated": "auto", "sha": "abc123"}')
+        elif self.path.startswith("/api/models/someone/locked"):
+            self.answer(403, b'{"error": "Your token lacks the read permission."}')
+        else:
+            self.answer(404, b'{"error": "Repository not found"}', "RepoNotFound")
+
+    def answer(self, status: int, body: bytes, code: str | None = None):
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
-        self.wfile.write(b'{"error": "Repository not found"}')
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
@@ -75,7 +87,9 @@ def test_download_asks_the_hub_once_and_says_at_once_what_it_answered(toy, tmp_p
     without a cached copy are one line at once (transformers alone retries every file for about a
     minute, printing each retry); a copy in the local cache is used, with a warning, without retries."""
     home = tmp_path / "hf"
-    unreachable = {"HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
+    no_proxy = {name: "" for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                                      "all_proxy")} | {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    unreachable = {"HF_HOME": str(home), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", **no_proxy}
     generate = ("generate", "--model", "someone/some-model", "--download", "--max-new-tokens", "2", "Olá")
     started = time.monotonic()
     done = run_cli(*generate, env=unreachable)
@@ -87,15 +101,36 @@ def test_download_asks_the_hub_once_and_says_at_once_what_it_answered(toy, tmp_p
     assert done.returncode == 4 and done.stderr.strip() == (
         "error: the model is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set (someone/some-model); "
         "fix: unset HF_HUB_OFFLINE to download it, or give a local model directory"), done.stderr
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchModel)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    hub = {**unreachable, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}"}
     try:
-        done = run_cli("validate-data", str(toy.data), "--base", "someone/some-model", "--download",
-                       env={**unreachable, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}"})
+        answers = {model: run_cli("validate-data", str(toy.data), "--base", f"someone/{model}", "--download", env=hub)
+                   for model in ("some-model", "gated", "locked")}
     finally:
         server.shutdown()
-    assert done.returncode == 4 and "the Hugging Face Hub has no model someone/some-model (or it is private" in \
-        done.stderr, done.stderr
+    assert {model: (done.returncode, done.stderr.strip().splitlines()[-1]) for model, done in answers.items()} == {
+        "some-model": (4, "error: the Hugging Face Hub has no model someone/some-model (or it is private and you are "
+                          "not logged in) (someone/some-model); fix: check the id on https://huggingface.co "
+                          "(ORG/NAME), or log in (`hf auth login`, or set HF_TOKEN) for a private model"),
+        "gated": (4, "error: someone/gated is a gated model: its files need its terms accepted (someone/gated); fix: "
+                     "accept them on https://huggingface.co/someone/gated, then log in (`hf auth login`, or set "
+                     "HF_TOKEN)"),
+        "locked": (4, answers["locked"].stderr.strip().splitlines()[-1])}
+    assert answers["locked"].stderr.strip().startswith(
+        "error: the Hugging Face Hub refused this token for someone/locked (HTTP 403): "), answers["locked"].stderr
+    assert answers["locked"].stderr.strip().endswith(
+        "fix: log in (`hf auth login`, or set HF_TOKEN) again with a token that may read it")
+    # a cached copy without its weights (a download cut short) is no copy to fall back on
+    partial = home / "hub" / "models--someone--partial"
+    (partial / "snapshots" / "abc123").mkdir(parents=True)
+    shutil.copy(toy.base / "config.json", partial / "snapshots" / "abc123" / "config.json")
+    (partial / "refs").mkdir()
+    (partial / "refs" / "main").write_text("abc123")
+    done = run_cli("generate", "--model", "someone/partial", "--download", "Olá", env=unreachable)
+    assert done.returncode == 4 and re.search(
+        r"^error: cannot reach the Hugging Face Hub: .*Connection refused.* \(the local cache holds someone/partial "
+        r"without its weights\) \(someone/partial\); fix: check the network", done.stderr.strip()), done.stderr
     # the same id in the local cache (the Hub's layout): loaded from there, the Hub still unreachable
     repo = home / "hub" / "models--someone--some-model"
     shutil.copytree(toy.base, repo / "snapshots" / "abc123")
@@ -103,8 +138,8 @@ def test_download_asks_the_hub_once_and_says_at_once_what_it_answered(toy, tmp_p
     (repo / "refs" / "main").write_text("abc123")
     done = run_cli(*generate, env=unreachable)
     assert done.returncode == 0 and "Retrying" not in done.stderr, done.stderr
-    assert "warning: cannot reach the Hugging Face Hub ([Errno 111] Connection refused): using the copy of " \
-           "someone/some-model in the local cache" in done.stderr
+    assert re.search(r"warning: cannot reach the Hugging Face Hub \(.*Connection refused\): using the copy of "
+                     r"someone/some-model in the local cache", done.stderr), done.stderr
 
 
 def test_a_config_file_reports_every_bad_value_at_once(tmp_path, capsys):
@@ -141,7 +176,7 @@ def test_the_readme_exit_code_table_is_the_code_s():
     assert {int(code) for code in rows} == set(EXIT_CODES)
     # every error class's code is in the table, and no code is documented without a class or a rule
     classes = {cls.exit_code for cls in _subclasses(PtbrError)}
-    assert classes <= set(EXIT_CODES) and set(EXIT_CODES) - classes == {0, 1, 141}
+    assert classes <= set(EXIT_CODES) and set(EXIT_CODES) - classes == {0, 1, 137, 141}
 
 
 def _subclasses(cls):
@@ -285,6 +320,10 @@ def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):
     assert main(["smoke", "--output", str(run)]) == 9
     assert "already holds other files" in last_error(capsys)
     assert [p.name for p in run.iterdir()] == ["train.log"]
+    shown = tmp_path / "shown-in-finder"  # a folder Finder showed is still an empty one
+    shown.mkdir()
+    (shown / ".DS_Store").write_bytes(b"\0")
+    assert main(["smoke", "--output", str(shown)]) == 0
 
 
 def test_inputs_this_user_cannot_read_are_one_line_not_a_crash(toy, dataset_dir, monkeypatch, capsys):

@@ -379,6 +379,22 @@ def test_a_sigterm_after_a_ctrl_c_stops_at_once_only_where_a_launcher_passed_bot
                 signal.raise_signal(signal.SIGINT)
 
 
+def test_only_a_launchers_worker_takes_a_sigterm_after_a_ctrl_c_for_a_second_one(monkeypatch):
+    """Any session leader did: `ptbr train` as a container's PID 1, a systemd service, a Slurm task
+    (--signal=INT@60 to save before the limit, a SIGTERM at it) had its checkpoint cut short."""
+    import os
+
+    import ptbr.train.loop as loop
+
+    monkeypatch.setattr(os, "getsid", lambda pid: os.getpid())  # a session leader
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not loop._in_a_session_of_its_own()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "ptbr-1")  # what torch's launcher sets for its workers
+    assert loop._in_a_session_of_its_own()
+    monkeypatch.setattr(os, "getsid", lambda pid: 1)  # in another's session (a terminal's)
+    assert not loop._in_a_session_of_its_own()
+
+
 def test_sigterm_before_training_starts_is_exit_130_with_a_line(tmp_path):
     """Before the graceful stop is in place (imports, data checks, building the model), SIGTERM
     stops a run as Ctrl-C does: exit 130 and one line, not the shell's silent 143."""

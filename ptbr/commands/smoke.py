@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ptbr.commands import quiet_transformers
 from ptbr.errors import Interrupted, PtbrError, SmokeFailed
-from ptbr.files import first_line
+from ptbr.files import first_line, is_litter
 from ptbr.log import log
 
 # Marks a directory as smoke's own, so that `ptbr smoke --output DIR` never writes into someone's run.
@@ -22,7 +22,7 @@ def run_smoke(output: Path, device: str = "auto", backend: str = "auto") -> dict
     from ptbr.runs.common import create_run_dir
     from ptbr.runs.pretrain import run_pretrain
 
-    if output.is_dir() and any(output.iterdir()) and not (output / SMOKE_MARKER).is_file():
+    if output.is_dir() and any(not is_litter(p) for p in output.iterdir()) and not (output / SMOKE_MARKER).is_file():
         raise SmokeFailed("smoke failed: --output already holds other files (a run, a dataset?); smoke writes a "
                           "run of its own there", str(output), "give a new or empty directory")
     create_run_dir(str(output))

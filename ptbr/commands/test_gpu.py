@@ -49,12 +49,13 @@ def refuse_a_probe_beyond_ram(model_size: str, batch_size: int, seq_len: int, vo
     container's limit leaves) is refused (exit 5): the kernel would kill it, with no line."""
     import psutil
 
-    from ptbr.config import get_preset
+    from ptbr.config import PretrainConfig, get_preset
     from ptbr.memory import Architecture, estimate_training_memory
     from ptbr.ram import ram
 
     arch = Architecture.from_preset(get_preset(model_size), vocab_size)
-    needed = estimate_training_memory(arch, batch_size, seq_len, precision, chunked_loss=True, device="cpu").total
+    needed = estimate_training_memory(arch, batch_size, seq_len, precision, device="cpu",
+                                      chunked_loss=PretrainConfig().chunked_loss).total  # as the probe runs
     memory = ram()
     free = memory.available + (psutil.swap_memory().free if memory.limit is None else 0)
     if needed > free:
@@ -117,6 +118,11 @@ def main(args) -> int:
         print("no CUDA GPU found" + (" (Apple MPS is available)" if facts.get("mps_available") else "")
               + f": {running_on}")
     if placement.device.type == "cpu":
+        from ptbr.backends.torch.device import fit_threads_to_cpus
+
+        said = fit_threads_to_cpus()
+        if said:
+            print(said)
         refuse_a_probe_beyond_ram(args.model_size, args.batch_size, args.seq_len, args.vocab_size, placement.precision)
     try:
         r = run_probe_step(args.model_size, args.batch_size, args.seq_len, args.vocab_size, placement)

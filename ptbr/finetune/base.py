@@ -55,7 +55,7 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
             raise ModelError(f"the {what} must be a directory, not a file", base,
                              "give a Hugging Face model directory (config.json, *.safetensors, tokenizer files)")
         # (transformers saves weights 0600: another user's, or a host user's in a container, cannot be read)
-        blocked = unreadable([path]) or unreadable(p for p in path.iterdir() if p.is_file())
+        blocked = unreadable([path]) or unreadable(p for p in path.iterdir() if p.is_file() and loaded(p))
         if blocked:
             names = ", ".join(p.name for p in blocked[:4]) + (", ..." if len(blocked) > 4 else "")
             raise ModelError(f"cannot read the {what}'s {'folder' if blocked == [path] else names}: permission denied",
@@ -89,7 +89,7 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
                              "download the complete model, weights included")
         return
     if download and HUB_ID.match(base):
-        hub_state(base, what)
+        hub_state(base, what, weights)
         return
     fix = "give an existing local model directory"
     if ORG_AND_NAME.match(base):
@@ -97,40 +97,55 @@ def check_base(base: str, download: bool = False, what: str = "base model", weig
     raise ModelError(f"{what} directory not found", base, fix)
 
 
-def hub_state(base: str, what: str = "base model") -> str:
-    """"online" where the Hugging Face Hub knows the id `base`, "cached" where the Hub cannot be
-    reached (or HF_HUB_OFFLINE is set) but the local cache holds the model; otherwise a ModelError
-    at once. Asked once per process and id."""
+def hub_state(base: str, what: str = "base model", weights: bool = True) -> str:
+    """"online" where the Hugging Face Hub knows the id `base` (and, for a gated model, lets this
+    user read it), "cached" where the Hub cannot be reached (or HF_HUB_OFFLINE is set) but the local
+    cache holds the model (its weights too, unless `weights` is False: a plan from its config);
+    otherwise a ModelError at once. Asked once per process and id."""
     if base not in HUB_STATES:
-        HUB_STATES[base] = _ask_hub(base, what)
+        HUB_STATES[base] = _ask_hub(base, what, weights)
     return HUB_STATES[base]
 
 
-def _ask_hub(base: str, what: str) -> str:
+def _ask_hub(base: str, what: str, weights: bool) -> str:
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-    cached = isinstance(try_to_load_from_cache(base, "config.json"), str)
+    found = try_to_load_from_cache(base, "config.json")
+    cached = isinstance(found, str) and (not weights or has_weights(Path(found).parent))
+    partly = isinstance(found, str) and not cached  # an interrupted download, or a plan's config alone
+    without = f" (it holds {base} without its weights)" if partly else ""
     if constants.HF_HUB_OFFLINE:
         if cached:
             return "cached"
-        raise ModelError(f"the {what} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set", base,
-                         "unset HF_HUB_OFFLINE to download it, or give a local model directory")
+        raise ModelError(f"the {what} is not in the local Hugging Face cache{without}, and HF_HUB_OFFLINE is set",
+                         base, "unset HF_HUB_OFFLINE to download it, or give a local model directory")
+    login = "log in (`hf auth login`, or set HF_TOKEN)"
     try:
-        HfApi().model_info(base, timeout=HUB_TIMEOUT)
+        info = HfApi().model_info(base, timeout=HUB_TIMEOUT)
+        if getattr(info, "gated", False):  # its card is public; its files only for those who accepted its terms
+            HfApi().auth_check(base)
+    except GatedRepoError as exc:
+        raise ModelError(f"{base} is a gated model: its files need its terms accepted", base,
+                         f"accept them on https://huggingface.co/{base}, then {login}") from exc
     except RepositoryNotFoundError as exc:  # also a private model without a token
         raise ModelError(f"the Hugging Face Hub has no model {base} (or it is private and you are not logged in)",
-                         base, "check the id on https://huggingface.co (ORG/NAME), or log in for a private model "
-                         "(`hf auth login`, or set HF_TOKEN)") from exc
+                         base, f"check the id on https://huggingface.co (ORG/NAME), or {login} for a private model"
+                         ) from exc
     except Exception as exc:  # noqa: BLE001 - no network, DNS, proxy, timeout, the Hub's own errors
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, HfHubHTTPError) and status in (401, 403):
+            raise ModelError(f"the Hugging Face Hub refused this token for {base} (HTTP {status}): {reason}", base,
+                             f"{login} again with a token that may read it") from exc
         if cached:
             log(f"warning: cannot reach the Hugging Face Hub ({reason}): using the copy of {base} in the local cache")
             return "cached"
         fix = ("wait and try again, or give a local model directory" if isinstance(exc, HfHubHTTPError) else
                "check the network (Kaggle: turn the notebook's internet on, or attach the model), or give a local "
                "model directory")
-        raise ModelError(f"cannot reach the Hugging Face Hub: {reason}", base, fix) from exc
+        held = f" (the local cache holds {base} without its weights)" if partly else ""
+        raise ModelError(f"cannot reach the Hugging Face Hub: {reason}{held}", base, fix) from exc
     return "online"
 
 
@@ -145,6 +160,15 @@ def model_files_only(base: str, download: bool) -> dict:
     config unless told apart)."""
     local = files_only(base, download)
     return {"local_files_only": local, "adapter_kwargs": {"local_files_only": local}}
+
+
+# what loading a model's folder reads (weights, config, tokenizer, chat template, remote code): a note
+# or a file manager's .DS_Store beside them that this user may not read is nothing to refuse over
+LOADED_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".tiktoken", ".py")
+
+
+def loaded(path: Path) -> bool:
+    return not path.name.startswith(".") and (path.suffix in LOADED_SUFFIXES or path.match("pytorch_model*.bin"))
 
 
 def has_weights(directory: Path) -> bool:

@@ -62,7 +62,7 @@ class Recommendation:
     @property
     def why_not(self) -> str | None:
         """The reason that says the run does not fit at all (None where it fits)."""
-        return None if self.fits else next(r for r in self.reasons if r.startswith(DOES_NOT_FIT))
+        return None if self.fits else next((r for r in self.reasons if r.startswith(DOES_NOT_FIT)), "does not fit")
 
     @property
     def requested_fits(self) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 import shutil
 import time
 import traceback
@@ -36,19 +35,20 @@ from ptbr.errors import (
     interrupted,
 )
 from ptbr.files import (
-    unwritable_fix,
     aside,
     first_line,
     first_missing,
     read_json,
     remove_empty_folders,
     remove_leftovers,
+    unwritable_fix,
     write_json,
     writing,
 )
-from ptbr.outputs import folder_refusal, input_refusal
+from ptbr.lock import LOCK_FILE, RunLock, held_if_free, refuse_if_in_use
 from ptbr.log import attach_run_log, detach, log, to_file_only
 from ptbr.memory import Architecture, estimate_run
+from ptbr.outputs import folder_refusal, input_refusal
 from ptbr.report import matplotlib_installed, write_report
 from ptbr.train.checkpoint import (
     STATE_FILE,
@@ -58,7 +58,6 @@ from ptbr.train.checkpoint import (
     read_state,
     why_incomplete,
 )
-from ptbr.lock import LOCK_FILE, RunLock, held_if_free, refuse_if_in_use
 from ptbr.train.loop import OPTIMIZER_SETTINGS, LoopState, TrainingStep
 from ptbr.train.metrics import loss_summary, require_tensorboard
 from ptbr.train.schedule import Schedule

@@ -122,10 +122,13 @@ class GracefulStop:
 
 
 def _in_a_session_of_its_own() -> bool:
-    """True in a session leader (torch's launcher starts every worker with setsid): no terminal
-    signal reaches it but through its launcher."""
+    """True in a worker of torch's elastic launcher (torchrun, accelerate, `--num-processes`: it sets
+    TORCHELASTIC_RUN_ID) that leads a session (the launcher starts every worker with setsid): no
+    terminal signal reaches it but through its launcher. Not any session leader: `ptbr train` as a
+    container's PID 1, a systemd service or a Slurm task may get a SIGINT (Slurm's --signal=INT@60:
+    save before the time limit) then a SIGTERM that must not cut the checkpoint short."""
     try:
-        return os.getsid(0) == os.getpid()
+        return "TORCHELASTIC_RUN_ID" in os.environ and os.getsid(0) == os.getpid()
     except (AttributeError, OSError):  # no sessions (Windows)
         return False
 

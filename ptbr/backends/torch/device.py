@@ -167,7 +167,9 @@ def fit_threads_to_cpus() -> str | None:
 
     from ptbr.cpus import usable_cpus
 
-    threads, usable = torch.get_num_threads(), usable_cpus()
+    # the ranks of a data-parallel run on this machine share them (torchrun, accelerate and ptbr's
+    # launcher set OMP_NUM_THREADS themselves; srun or mpirun may not)
+    threads, usable = torch.get_num_threads(), max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if "OMP_NUM_THREADS" in os.environ or threads <= usable:
         return None
     torch.set_num_threads(usable)

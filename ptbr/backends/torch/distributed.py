@@ -325,7 +325,7 @@ class _PassingStopSignalsOn:
 
     def _handle(self, signum, frame) -> None:
         sig = signal.Signals(signum)
-        workers = self.launcher.children()
+        workers = [child for child in self.launcher.children() if _leads_a_session(child.pid)]
         if self.received is None:
             if not workers:  # none started yet: the launch stops as any command does (ptbr/cli.py), with a line
                 raise KeyboardInterrupt(*([] if sig == signal.SIGINT else [sig.name]))
@@ -340,6 +340,15 @@ class _PassingStopSignalsOn:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def _leads_a_session(pid: int) -> bool:
+    """A worker of torch's launcher (started with setsid), not another child of the launcher's
+    process (multiprocessing's resource tracker, a subprocess of the caller's)."""
+    try:
+        return os.getsid(pid) == pid
+    except OSError:  # it has exited meanwhile
+        return False
 
 
 def _say_why_a_rank_failed(failures: dict, processes: int, logs: Path, run_id: str) -> int:

@@ -34,6 +34,13 @@ class Ram:
         """How to name this memory in a message."""
         return "the container's memory limit" if self.limit is not None else "RAM"
 
+    def free_with_swap(self) -> int:
+        """What a process may still take before the kernel kills it: the memory available, and free
+        swap where no memory limit caps the process (a container's limit counts swap apart)."""
+        import psutil
+
+        return self.available + (psutil.swap_memory().free if self.limit is None else 0)
+
 
 def ram() -> Ram:
     """The machine's RAM (psutil), narrowed by a cgroup memory limit where one applies."""

@@ -47,8 +47,6 @@ def refuse_a_probe_beyond_ram(model_size: str, batch_size: int, seq_len: int, vo
                               precision: str) -> None:
     """On a CPU, a probe whose step needs more than the memory free (RAM and swap, or what a
     container's limit leaves) is refused (exit 5): the kernel would kill it, with no line."""
-    import psutil
-
     from ptbr.config import PretrainConfig, get_preset
     from ptbr.memory import Architecture, estimate_training_memory
     from ptbr.ram import ram
@@ -57,7 +55,7 @@ def refuse_a_probe_beyond_ram(model_size: str, batch_size: int, seq_len: int, vo
     needed = estimate_training_memory(arch, batch_size, seq_len, precision, device="cpu",
                                       chunked_loss=PretrainConfig().chunked_loss).total  # as the probe runs
     memory = ram()
-    free = memory.available + (psutil.swap_memory().free if memory.limit is None else 0)
+    free = memory.free_with_swap()
     if needed > free:
         raise DeviceError(f"the probe step of {model_size} (batch {batch_size} x {seq_len}, {precision}) needs about "
                           f"{needed / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is free ({memory.where()}): the kernel "

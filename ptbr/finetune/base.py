@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from ptbr.errors import ModelError
-from ptbr.files import read_json, unreadable, unreadable_fix
+from ptbr.files import first_line, read_json, unreadable, unreadable_fix
 from ptbr.log import log
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -113,12 +113,12 @@ def _ask_hub(base: str, what: str, weights: bool) -> str:
 
     found = try_to_load_from_cache(base, "config.json")
     cached = isinstance(found, str) and (not weights or has_weights(Path(found).parent))
-    partly = isinstance(found, str) and not cached  # an interrupted download, or a plan's config alone
-    without = f" (it holds {base} without its weights)" if partly else ""
+    # a config without weights: an interrupted download, or a plan's config alone
+    partly = f" (the local cache holds {base} without its weights)" if isinstance(found, str) and not cached else ""
     if constants.HF_HUB_OFFLINE:
         if cached:
             return "cached"
-        raise ModelError(f"the {what} is not in the local Hugging Face cache{without}, and HF_HUB_OFFLINE is set",
+        raise ModelError(f"the {what} is not in the local Hugging Face cache{partly}, and HF_HUB_OFFLINE is set",
                          base, "unset HF_HUB_OFFLINE to download it, or give a local model directory")
     login = "log in (`hf auth login`, or set HF_TOKEN)"
     try:
@@ -133,7 +133,7 @@ def _ask_hub(base: str, what: str, weights: bool) -> str:
                          base, f"check the id on https://huggingface.co (ORG/NAME), or {login} for a private model"
                          ) from exc
     except Exception as exc:  # noqa: BLE001 - no network, DNS, proxy, timeout, the Hub's own errors
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if isinstance(exc, HfHubHTTPError) and status in (401, 403):
             raise ModelError(f"the Hugging Face Hub refused this token for {base} (HTTP {status}): {reason}", base,
@@ -144,8 +144,7 @@ def _ask_hub(base: str, what: str, weights: bool) -> str:
         fix = ("wait and try again, or give a local model directory" if isinstance(exc, HfHubHTTPError) else
                "check the network (Kaggle: turn the notebook's internet on, or attach the model), or give a local "
                "model directory")
-        held = f" (the local cache holds {base} without its weights)" if partly else ""
-        raise ModelError(f"cannot reach the Hugging Face Hub: {reason}{held}", base, fix) from exc
+        raise ModelError(f"cannot reach the Hugging Face Hub: {reason}{partly}", base, fix) from exc
     return "online"
 
 

@@ -274,8 +274,7 @@ def plan_host_memory(predicted: int | None, backend, settings) -> None:
         held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
         memory = ram()
         if not settings.auto_fit and backend.world.size == 1:
-            # swap helps only where no memory limit caps the process (a container's limit counts swap apart)
-            free = memory.available + (psutil.swap_memory().free if memory.limit is None else 0)
+            free = memory.free_with_swap()
             if predicted - held > free:
                 more = (predicted - held) / 2**30
                 what = f"under {memory.where()} ({memory.limit / 2**30:.1f} GiB)" if memory.limit else "(RAM and swap)"

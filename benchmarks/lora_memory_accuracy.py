@@ -2,6 +2,7 @@
 
     python benchmarks/lora_memory_accuracy.py --markdown           # CPU, a few minutes on 2 cores
     python benchmarks/lora_memory_accuracy.py --device cuda --jobs 4 --markdown
+    python benchmarks/lora_memory_accuracy.py --device cuda --jobs 4 --chunked-loss   # its default loss only
 
 The base is a Mistral-shaped model (grouped-query attention, SwiGLU) with random weights, saved to a
 temporary directory and loaded the way `ptbr finetune` loads it (ptbr.backends.torch.lora.load_model:
@@ -123,12 +124,14 @@ def measure(point: dict) -> dict:
     return result
 
 
-def run_grid(device: str, timeout: int, jobs: int = 1, gpu_share: float = 0.9) -> list[dict]:
+def run_grid(device: str, timeout: int, jobs: int = 1, gpu_share: float = 0.9, chunked_only: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         save_base(BASE, Path(tmp) / "base")
         save_base(WARM, Path(tmp) / "warm")
         tasks = []
         for quant, precision, checkpointing, batch_size, seq_len, chunked in GRIDS[device]:
+            if chunked_only and not chunked:
+                continue
             point = {"quant": quant, "precision": precision, "gradient_checkpointing": checkpointing,
                      "batch_size": batch_size, "seq_len": seq_len, "chunked_loss": chunked, "device": device,
                      "base": str(Path(tmp) / "base"), "warm": str(Path(tmp) / "warm")}
@@ -167,8 +170,13 @@ def markdown(rows: list[dict], device: str) -> str:
 
 
 def main() -> int:
-    return cli(__doc__.splitlines()[0], measure, lambda device, timeout, args: run_grid(device, timeout, args.jobs, args.gpu_share), markdown,
-               GOAL)
+    def options(parser) -> None:
+        parser.add_argument("--chunked-loss", action="store_true",
+                            help="only the points with `ptbr finetune`'s default loss, the chunked one")
+
+    return cli(__doc__.splitlines()[0], measure,
+               lambda device, timeout, args: run_grid(device, timeout, args.jobs, args.gpu_share, args.chunked_loss),
+               markdown, GOAL, options)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
     python benchmarks/memory_accuracy.py                      # CPU grid, a few minutes on 2 cores
     python benchmarks/memory_accuracy.py --device cuda --jobs 4   # GPU grid (needs a CUDA GPU)
     python benchmarks/memory_accuracy.py --markdown --output results.json
+    python benchmarks/memory_accuracy.py --device cuda --jobs 4 --chunked-loss   # ptbr's default loss
 
 Each grid point runs in a fresh process: the real model (ptbr.backends.torch.models.build_model), the real
 optimizer and the real step (ptbr.backends.torch.step.TorchStep) on random tokens, three optimizer steps so
-that the AdamW state exists during a forward and backward pass (the steady-state peak).
+that the AdamW state exists during a forward and backward pass (the steady-state peak). The loss
+takes the whole logits (`--no-chunked-loss`) unless --chunked-loss asks for ptbr's default, the
+chunked loss with the device's chunk size.
 
 What is measured, and why it matches what is predicted:
 - CUDA: torch.cuda.max_memory_allocated() after the warm-up's memory is freed and the peak stats
@@ -70,7 +73,8 @@ def predict(point: dict) -> dict:
 
     arch = Architecture.from_preset(get_preset(point["model_size"]), point["vocab_size"])
     estimate = estimate_training_memory(arch, point["batch_size"], point["seq_len"], point["precision"],
-                                        point["gradient_checkpointing"], device=point["device"])
+                                        point["gradient_checkpointing"], device=point["device"],
+                                        chunked_loss=point.get("chunked_loss", False))
     return {"predicted": estimate.total, "phase": estimate.peak_phase}
 
 
@@ -99,10 +103,10 @@ def measure(point: dict) -> dict:
         if checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
-        # the whole logits, as predict() estimates them (--no-chunked-loss; the chunked loss's
-        # estimate is checked against real steps in tests/test_memory.py)
+        # the whole logits (--no-chunked-loss) unless the point asks for the chunked loss, as
+        # predict() estimates them (the chunked loss's estimate is also checked in tests/test_memory.py)
         return TorchStep(model, build_optimizer(model, settings, placement.device), placement, 1.0,
-                         chunked_loss=False)
+                         chunked_loss=point.get("chunked_loss", False))
 
     def batch(vocab_size, batch_size, seq_len, seed):
         windows = np.random.default_rng(seed).integers(0, vocab_size, size=(batch_size, seq_len + 1))
@@ -179,12 +183,13 @@ MALLOC_RELEASE = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def run_grid(device: str, points: list[tuple], timeout: int, malloc_release: bool = False, jobs: int = 1,
-             gpu_share: float = 0.9) -> list[dict]:
+             gpu_share: float = 0.9, chunked_loss: bool = False) -> list[dict]:
     env = os.environ | (MALLOC_RELEASE if malloc_release else {})
     tasks = []
     for size, vocab, batch_size, seq_len, precision, checkpointing in points:
         point = {"model_size": size, "vocab_size": vocab, "batch_size": batch_size, "seq_len": seq_len,
-                 "precision": precision, "gradient_checkpointing": checkpointing, "device": device}
+                 "precision": precision, "gradient_checkpointing": checkpointing, "device": device,
+                 "chunked_loss": chunked_loss}
         tasks.append((point, dict(point) | predict(point)))
 
     def run(point: dict, row: dict) -> dict:
@@ -254,7 +259,8 @@ def measure_in_fresh_process(script: str, point: dict, row: dict, timeout: int, 
 
 def _line(row: dict) -> str:
     name = (f"{row['model_size']} vocab {row['vocab_size']} batch {row['batch_size']} seq {row['seq_len']} "
-            f"{row['precision']}{' ckpt' if row['gradient_checkpointing'] else ''}")
+            f"{row['precision']}{' ckpt' if row['gradient_checkpointing'] else ''}"
+            f"{' chunked loss' if row.get('chunked_loss') else ''}")
     if "failed" in row:
         return f"{name}: failed: {row['failed']}"
     return (f"{name}: predicted {row['predicted'] / 2**20:.0f} MiB, measured {row['measured'] / 2**20:.0f} MiB "
@@ -263,8 +269,8 @@ def _line(row: dict) -> str:
 
 def markdown(rows: list[dict], device: str) -> str:
     cpu = device == "cpu"
-    head = "| model | vocab | batch x seq | precision | grad. ckpt | predicted MiB | measured MiB | error |"
-    rule = "|---|---|---|---|---|---|---|---|"
+    head = "| model | vocab | batch x seq | precision | grad. ckpt | loss | predicted MiB | measured MiB | error |"
+    rule = "|---|---|---|---|---|---|---|---|---|"
     if cpu:
         head += " allocated MiB | error vs allocated |"
         rule += "---|---|"
@@ -273,7 +279,8 @@ def markdown(rows: list[dict], device: str) -> str:
         if "failed" in r:
             continue
         line = (f"| {r['model_size']} | {r['vocab_size']} | {r['batch_size']} x {r['seq_len']} | {r['precision']} | "
-                f"{'yes' if r['gradient_checkpointing'] else 'no'} | {r['predicted'] / 2**20:,.0f} | "
+                f"{'yes' if r['gradient_checkpointing'] else 'no'} | {'chunked' if r.get('chunked_loss') else 'whole'} | "
+                f"{r['predicted'] / 2**20:,.0f} | "
                 f"{r['measured'] / 2**20:,.0f} | {r['error_pct']:+.1f}% |")
         if cpu:
             line += f" {r['allocated'] / 2**20:,.0f} | {r['allocated_error_pct']:+.2f}% |"
@@ -324,9 +331,12 @@ def main() -> int:
     def options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--malloc-release", action="store_true", help="CPU: run each point with "
                             f"{' '.join(f'{k}={v}' for k, v in MALLOC_RELEASE.items())}")
+        parser.add_argument("--chunked-loss", action="store_true",
+                            help="ptbr's default loss (chunks of the device's size) instead of the whole logits")
 
     return cli(__doc__.splitlines()[0], measure,
-               lambda device, timeout, args: run_grid(device, GRIDS[device], timeout, args.malloc_release, args.jobs, args.gpu_share),
+               lambda device, timeout, args: run_grid(device, GRIDS[device], timeout, args.malloc_release, args.jobs,
+                                                      args.gpu_share, args.chunked_loss),
                markdown, GOAL, options)
 
 

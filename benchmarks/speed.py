@@ -4,7 +4,7 @@
     python benchmarks/speed.py                      # CPU: every section, ~20 min on 2 busy cores
     python benchmarks/speed.py --device cuda        # a GPU: also 400m, with MFU, at a 32k vocabulary
     python benchmarks/speed.py --only pretrain --sizes tiny --rounds 5
-    python benchmarks/speed.py --quick              # seconds per contender: checks that it works (CI)
+    python benchmarks/speed.py --quick              # two contenders at a time: checks that it works (CI)
 
 Sections (each row: the reference, ptbr, and the ratio, >1 meaning ptbr is ahead):
   pretrain  tokens/s of `ptbr train` against transformers' Trainer and a minimal PyTorch loop on
@@ -97,21 +97,34 @@ def run_worker(kind: str, spec: dict) -> dict:
     return result | {"first_step_s": first_step, "wall_s": time.perf_counter() - started}
 
 
+# contenders run at once: 1 (one at a time) whenever anything is timed; --quick, which only checks
+# that every contender runs, runs two side by side (its numbers then say nothing)
+SIDE_BY_SIDE = {"quick": 2, "timed": 1}
+JOBS = SIDE_BY_SIDE["timed"]
+
+
 def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int, optional: frozenset = frozenset(),
                 failed: dict[str, str] | None = None) -> dict[str, list[dict]]:
     """Every contender once per round, in a rotating order, so that none always runs first. A
     contender named in `optional` that fails is left out from then on, its earlier rounds too (why,
-    in `failed`), instead of ending the section: a reference setting that may not run everywhere."""
+    in `failed`), instead of ending the section: a reference setting that may not run everywhere.
+    With JOBS above 1 (--quick) a round's contenders run JOBS at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
     names = list(contenders)
     for round_index in range(rounds):
-        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
-            if name not in runs:
-                continue
+        order = [name for name in names[round_index % len(names):] + names[:round_index % len(names)] if name in runs]
+
+        def start(name: str, round_index: int = round_index) -> dict:
             kind, spec = contenders[name]
-            spec = dict(spec, output=str(Path(spec["output"]) / f"{name}-{round_index}"))
+            return run_worker(kind, dict(spec, output=str(Path(spec["output"]) / f"{name}-{round_index}")))
+
+        with ThreadPoolExecutor(JOBS) as pool:
+            started = [(name, pool.submit(start, name)) for name in order]
+        for name, done in started:
             try:
-                runs[name].append(run_worker(kind, spec))
+                runs[name].append(done.result())
             except RuntimeError as error:
                 if name not in optional:
                     raise
@@ -686,12 +699,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-compile", action="store_true",
                         help="leave out the torch.compile contenders (ptbr --compile, the Trainer's torch_compile)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny shapes, one round, two timed steps: checks that everything runs (CI)")
+                        help="tiny shapes, one round, two timed steps, two contenders at a time: checks that "
+                        "everything runs (CI); its numbers say nothing")
     parser.add_argument("--output-dir", default=str(RESULTS), help="where speed_DEVICE.json and .md are written")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what reproduces this run
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
+    global JOBS
+    JOBS = SIDE_BY_SIDE["quick" if args.quick else "timed"]
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -26,7 +26,9 @@ kernel's log names the stage:
                for that itself (the bundle's stop_after_s), so the checkpoint is not raced by the
                end of the session.
   outputs      /kaggle/working/ptbr-kaggle-run.json: what ran and how it ended (the next version
-               finds the run by this file).
+               finds the run by this file). Written as soon as the resume stage is done, and at the
+               end whatever happened: a SIGTERM/SIGINT at any other stage stops the kernel (exit 130)
+               with the record written.
 
 Every path is rooted at $KAGGLE_ROOT (default /kaggle), so the tests run this file on any machine.
 """
@@ -80,6 +82,17 @@ class StageFailed(Exception):
     """A stage could not do its part; the message says why and what to do."""
 
 
+class Stopped(Exception):
+    """SIGTERM/SIGINT outside training (which passes them on to ptbr): the kernel stops where it is,
+    and its run marker is still written."""
+
+
+def stop(signum: int, _frame=None) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stopping: a second signal must not cut the stop short
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main() -> int:
     root = Path(os.environ.get("KAGGLE_ROOT", "/kaggle"))
     inputs, working = root / "input", root / "working"
@@ -87,6 +100,9 @@ def main() -> int:
     record: dict = {"bundle": BUNDLE_ID or None, "stages": {}, "started": _now()}
     stage = "environment"
     code = 1
+    # Kaggle ends a session with a signal: at any stage the record is still written (`finally` below),
+    # so that the next version finds the run copied so far
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         log(f"{stage}: {describe_environment()}")
         record["stages"][stage] = "ok"
@@ -96,6 +112,7 @@ def main() -> int:
         run_dir = working / RUN_DIR
         record["resumed_from"] = restore_previous_run(inputs, BUNDLE_ID, run_dir, working)
         record["stages"][stage] = "ok"
+        write_record(working, record)  # a session killed outright (SIGKILL) still leaves the run findable
 
         stage = "bundle"
         bundle, info = find_bundle(inputs, BUNDLE_ID)
@@ -154,6 +171,12 @@ def main() -> int:
         else:
             raise StageFailed(f"ptbr {command} exited with {code} (its error line is above and in "
                               f"{run_dir / 'train.log'})")
+    except Stopped as stopped:
+        record["stages"][stage] = "stopped"
+        record["failure"] = f"stopped by {stopped} at stage {stage}"
+        log(f"stopped by {stopped} at stage {stage} (the session ended?); what the resume stage copied is in "
+            f"{working / RUN_DIR}, for the next version to resume from")
+        code = EXIT_INTERRUPTED
     except StageFailed as failure:
         record["stages"][stage] = "failed"
         record["failure"] = str(failure)
@@ -165,8 +188,12 @@ def main() -> int:
         log(f"FAILED at stage {stage}: unexpected {type(exc).__name__}: {exc}")
         code = 1
     finally:
+        for sig in handlers:  # a signal now must not cut the record short
+            signal.signal(sig, signal.SIG_IGN)
         record.update(exit_code=code, ended=_now(), hours=round((time.monotonic() - started) / 3600, 3))
         write_record(working, record)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return code
 
 
@@ -504,7 +531,7 @@ def write_record(working: Path, record: dict) -> None:
         tmp = working / f".tmp-{RUN_MARKER}"
         tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, working / RUN_MARKER)
-        ended = f"exit code {record['exit_code']}" if "exit_code" in record else "training has started"
+        ended = f"exit code {record['exit_code']}" if "exit_code" in record else "the kernel goes on"
         log(f"outputs: {working / RUN_MARKER}: {json.dumps(record['stages'])}, {ended}")
     except OSError as exc:
         log(f"outputs: cannot write {working / RUN_MARKER}: {exc}")

@@ -312,6 +312,26 @@ def format_bytes(value: float) -> str:
     return f"{value / 1024**2:.1f} MiB"
 
 
+def share_of(measured: float, predicted: float, scale: float = 100, decimals: int = 0) -> str:
+    """scale x measured / predicted, with `decimals` decimals, or up to 3 more where fewer would
+    round an overrun down to the prediction: 100.4(%), never a 100 that hides it."""
+    share = scale * measured / predicted
+    more = 0
+    while measured > predicted and float(f"{share:.{decimals + more}f}") <= scale and more < 3:
+        more += 1
+    return f"{share:.{decimals + more}f}"
+
+
+def format_time(timestamp: float) -> str:
+    """A moment in UTC, for what is read later (report.md): 2026-11-28 00:19:02 UTC."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(timestamp))
+
+
+def _when(timestamp: float, now: float, absolute: bool) -> str:
+    """`12 s ago` on the screen; `at 2026-11-28 00:19:02 UTC` where `absolute` (a file read later)."""
+    return f"at {format_time(timestamp)}" if absolute else f"{format_age(now - timestamp)} ago"
+
+
 def format_age(seconds: float) -> str:
     seconds = max(0.0, seconds)
     if seconds < 90:
@@ -337,9 +357,10 @@ class Status:
     warnings: list[str] = field(default_factory=list)
 
 
-def assess(run: Run, now: float | None = None, stall_after: float | None = None) -> Status:
+def assess(run: Run, now: float | None = None, stall_after: float | None = None, absolute: bool = False) -> Status:
     """The run's state from its lock, log, metrics and summary; `stall_after` overrides the
-    stall threshold (seconds)."""
+    stall threshold (seconds). The headline gives moments as ages (`written 12 s ago`), or as
+    times in UTC where `absolute` (report.md, read later: an age there goes stale)."""
     now = time.time() if now is None else now
     owner = run.owner
     alive = owner.alive() if owner else None
@@ -353,7 +374,7 @@ def assess(run: Run, now: float | None = None, stall_after: float | None = None)
         if owner is not None and alive:
             status.headline += f"; its process (PID {owner.pid}) is still writing the results"
     elif owner is not None and alive:
-        status = _live(run, owner, quiet_for, threshold)
+        status = _live(run, owner, now, threshold, absolute)
     elif owner is not None and alive is None:
         status = Status("unknown", f"unknown: cannot be checked from this machine, the lock names PID {owner.pid} on "
                                    f"{owner.host} (a run elsewhere, or a directory copied from a container or Kaggle)")
@@ -364,7 +385,7 @@ def assess(run: Run, now: float | None = None, stall_after: float | None = None)
         status = Status("dead", f"dead: the run's process (PID {owner.pid} on {owner.host}) is gone without a "
                                 f"final summary; "
                                 f"last step {run.step}" + (f" of {run.total_steps}" if run.total_steps else "")
-                        + (f", written {format_age(now - run.metrics_written)} ago" if run.metrics_written else ""))
+                        + (f", written {_when(run.metrics_written, now, absolute)}" if run.metrics_written else ""))
         if last_error is not None:  # the hang watchdog's line, or an error that a killed run logged
             status.warnings.append(f"train.log ends with: {last_error.message}")
         status.warnings.append(_resume_hint(run))
@@ -389,15 +410,18 @@ def assess(run: Run, now: float | None = None, stall_after: float | None = None)
     return status
 
 
-def _live(run: Run, owner: Owner, quiet_for: float | None, threshold: float) -> Status:
+def _live(run: Run, owner: Owner, now: float, threshold: float, absolute: bool) -> Status:
     where = f"PID {owner.pid} on {owner.host}"
     if not run.rows or (run.metrics_written or 0) < owner.since:
         # building the model, loading data: the loop has not opened metrics.jsonl in this session yet
         return Status("starting", f"starting ({where}): {run.log[-1].message if run.log else 'no log line yet'}")
     doing = f"writing {run.saving}" if run.saving else "training"
-    status = Status("running", f"running ({where}), {doing}; last activity {format_age(quiet_for or 0)} ago")
-    if quiet_for is not None and quiet_for > threshold:
-        status = Status("stalled", f"stalled ({where}): no progress for {format_age(quiet_for)}, at step {run.step}")
+    last = run.last_activity if run.last_activity is not None else now
+    quiet_for = now - last
+    status = Status("running", f"running ({where}), {doing}; last activity {_when(last, now, absolute)}")
+    if quiet_for > threshold:
+        since = f"since {format_time(last)}" if absolute else f"for {format_age(quiet_for)}"
+        status = Status("stalled", f"stalled ({where}): no progress {since}, at step {run.step}")
         times = step_times(run.rows)
         typical = f"; a step usually takes {statistics.median(times):.2f} s" if times else ""
         status.warnings.append(
@@ -493,7 +517,7 @@ def screen(run: Run, status: Status, now: float | None = None) -> list[str]:
         line = f"memory      peak {format_bytes(peak[1])}, reached by step {peak[0]}"
         if run.predicted_peak:
             line += (f"; predicted peak {format_bytes(run.predicted_peak)} "
-                     f"({100 * peak[1] / run.predicted_peak:.0f}%)")
+                     f"({share_of(peak[1], run.predicted_peak)}%)")
         lines.append(line)
     if run.checkpoint is not None:
         lines.append(f"checkpoint  {run.checkpoint.path.name}, written {format_age(now - run.checkpoint.written)} ago")

@@ -11,13 +11,23 @@ from __future__ import annotations
 import importlib.util
 import os
 import statistics
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ptbr import __version__
 from ptbr.errors import ConfigError, DataError, OutputError
 from ptbr.files import write_directory, write_text, writing
-from ptbr.monitor import Run, assess, format_bytes, peak_memory, perplexity, read_run, smoothed
+from ptbr.monitor import (
+    Run,
+    assess,
+    format_bytes,
+    peak_memory,
+    perplexity,
+    read_run,
+    share_of,
+    smoothed,
+)
 from ptbr.train.progress import format_eta
 from ptbr.versions import install_extra
 
@@ -58,6 +68,9 @@ def write_report(run_dirs: list[str | Path], output: str | Path | None = None) -
         twice = next(run.run_dir for run, path in zip(runs, resolved, strict=True) if resolved.count(path) > 1)
         raise ConfigError(f"the same run given twice: {twice}", "ptbr report", "name each run once")
     require_matplotlib()
+    for run in runs:  # what monitor warns of: a run_config.json that cannot be read leaves the report's "?"s
+        for problem in run.problems:
+            print(f"warning: {run.run_dir / problem}", file=sys.stderr, flush=True)
     folder = Path(output).expanduser() if output is not None else runs[0].run_dir
     check_report_folder(folder, runs, given=output is not None)
     with writing("the report", folder):
@@ -213,8 +226,9 @@ def numbers(run: Run) -> dict:
     peak = peak_memory(run.rows)
     last = run.rows[-1]
     return {
-        # a run writes its report after its summary, while it still holds its lock: finished
-        "status": "finished" if run.summary_is_current else assess(run).headline,
+        # a run writes its report after its summary, while it still holds its lock: finished; times,
+        # not ages ("last activity 1 s ago"), in a file read later
+        "status": "finished" if run.summary_is_current else assess(run, absolute=True).headline,
         "steps": run.step,
         "total_steps": run.total_steps,
         "tokens_seen": (run.summary or {}).get("tokens_seen") if run.summary_is_current else None,
@@ -234,7 +248,9 @@ def numbers(run: Run) -> dict:
 
 def single_report(run: Run) -> str:
     n = numbers(run)
-    lines = [f"# Run report: {run.run_dir.name}", "", _about(run), "", "## Summary", "", "| | |", "|---|---|"]
+    lines = [f"# Run report: {run.run_dir.name}", "", _about(run), ""]
+    lines += [f"- warning: {problem}" for problem in run.problems] + [""] * bool(run.problems)
+    lines += ["## Summary", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in _summary_rows(n)]
     lines += ["", "## Plots", ""]
     lines += [f"![{text}](plots/{name}.png)\n" for name, text in PLOTS.items()]
@@ -259,6 +275,7 @@ def comparison_report(runs: list[Run], names: list[str]) -> str:
             f"{n['tokens_per_s']:,.0f}" if n["tokens_per_s"] else "-",
             _bytes(n["peak_memory"]), _bytes(n["predicted_peak"]) + " |"]))
     lines += ["", "Runs:", ""] + [f"- {name}: `{run.run_dir}`" for run, name in zip(runs, names, strict=True)]
+    lines += [f"- warning: {name}: {problem}" for run, name in zip(runs, names, strict=True) for problem in run.problems]
     lines += ["", "## Plots", ""] + [f"![{text}](plots/{name}.png)\n" for name, text in PLOTS.items()]
     return "\n".join(lines) + "\n"
 
@@ -319,13 +336,13 @@ def _memory_text(n: dict) -> str:
             "memory model's peak for the run's settings (`ptbr info`, `ptbr preflight`) of that same "
             "figure, recorded in run_config.json when the run started.")
     if n["peak_memory"] and n["predicted_peak"]:
-        text += f" Measured/predicted: {n['peak_memory'] / n['predicted_peak']:.2f}."
+        text += f" Measured/predicted: {share_of(n['peak_memory'], n['predicted_peak'], scale=1, decimals=2)}."
     return text
 
 
 def _ratio(n: dict) -> str:
     if n["peak_memory"] and n["predicted_peak"]:
-        return f" ({100 * n['peak_memory'] / n['predicted_peak']:.0f}% of the prediction)"
+        return f" ({share_of(n['peak_memory'], n['predicted_peak'])}% of the prediction)"
     return ""
 
 

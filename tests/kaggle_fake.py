@@ -10,6 +10,7 @@ answers the calls `ptbr kaggle` makes as Kaggle does (what kaggle 2.2 sends and 
   datasets.DatasetApiService/CreateDataset       the files of the uploads named by token; a folder
   datasets.DatasetApiService/CreateDatasetVersion  sent as NAME.zip is listed unpacked, as NAME/...
   datasets.DatasetApiService/ListDatasetFiles    paged
+  datasets.DatasetApiService/DownloadDataset     one file of the newest version: a redirect to its URL
   kernels.KernelsApiService/SaveKernel           sources that do not exist are refused
   kernels.KernelsApiService/GetKernelSessionStatus
   kernels.KernelsApiService/GetKernel            the newest version's code (blob.source)
@@ -20,7 +21,8 @@ answers the calls `ptbr kaggle` makes as Kaggle does (what kaggle 2.2 sends and 
 Legacy credentials (KAGGLE_USERNAME/KAGGLE_KEY) arrive as HTTP basic auth and are checked on every
 call; a wrong key is 401. `fail_uploads` names files whose PUT answers 500: the client then leaves
 them out of the dataset and still reports success, as it does against Kaggle; `fail_methods`
-answers a method with an HTTP error (a 503: Kaggle's side failing).
+answers a method with an HTTP error (a 503: Kaggle's side failing), `failures` with one HTTP error
+per call from a list, then normally; a method in `hang` is not answered until the server closes.
 """
 
 from __future__ import annotations
@@ -68,10 +70,14 @@ class FakeKaggle:
         self.create_status: str | None = None  # CreateDataset answers this error instead of "Ok"
         self.save_kernel_error: str | None = None
         self.fail_methods: dict[str, int] = {}  # method -> the HTTP status it answers instead
+        self.failures: dict[str, list[int]] = {}  # method -> HTTP statuses its next calls answer, in turn
+        self.hang: set[str] = set()  # methods that get no answer (until the server closes)
+        self._closing = threading.Event()
         self.calls: list[str] = []  # "Service/Method" of every API call, in order
         self.dataset_statuses_after_upload = ["NOT_YET_PERSISTED", "BLOBS_RECEIVED"]
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # a short poll: closing the server waits for serve_forever's next look (0.5 s by default)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True)
 
     @property
     def port(self) -> int:
@@ -82,6 +88,7 @@ class FakeKaggle:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -121,14 +128,18 @@ class FakeKaggle:
     # --- the API ---------------------------------------------------------------------------------
 
     def answer(self, method: str, body: dict, auth: str | None) -> tuple[int, dict]:
+        if method in self.hang:
+            self._closing.wait(60)
+            return 0, {}  # no answer: the connection is closed
+        if self.failures.get(method) or method in self.fail_methods:
+            status = self.failures[method].pop(0) if self.failures.get(method) else self.fail_methods[method]
+            message = {403: "Permission denied", 429: "Too Many Requests"}.get(status, "Service Unavailable")
+            return status, {"code": status, "message": message}
         if method == "IntrospectToken":
             active = body.get("token") == TOKEN
             return 200, {"active": active, "username": USERNAME if active else ""}
         if auth not in (_basic(USERNAME, KEY), f"Bearer {TOKEN}"):
             return 401, {"code": 401, "message": "Unauthenticated"}
-        if method in self.fail_methods:
-            status = self.fail_methods[method]
-            return status, {"code": status, "message": "Service Unavailable"}
         handler = getattr(self, f"_{method}", None)
         if handler is None:
             return 404, {"code": 404, "message": f"the fake has no {method}"}
@@ -171,6 +182,12 @@ class FakeKaggle:
         page = files[start:start + size]
         token = str(start + size) if start + size < len(files) else ""
         return 200, {"datasetFiles": [{"name": n, "totalBytes": b} for n, b in page], "nextPageToken": token}
+
+    def _DownloadDataset(self, body):
+        ref = f"{body['ownerSlug']}/{body['datasetSlug']}"
+        if ref not in self.datasets or body.get("fileName") not in self.datasets[ref].versions[-1]:
+            return 404, {"code": 404, "message": "Not found"}
+        return 302, {"location": f"http://localhost/dataset-file/{ref}/{body['fileName']}"}
 
     def _SaveKernel(self, body):
         ref = body["slug"]
@@ -239,7 +256,11 @@ class FakeKaggle:
         return 200
 
     def get(self, path: str) -> tuple[int, bytes]:
-        parts = path.split("/")  # /output/OWNER/SLUG/NAME...
+        parts = path.split("/")  # /output/OWNER/SLUG/NAME... or /dataset-file/OWNER/SLUG/NAME
+        if parts[1] == "dataset-file":
+            dataset = self.datasets.get(f"{parts[2]}/{parts[3]}")
+            content = dataset.versions[-1].get("/".join(parts[4:])) if dataset else None
+            return (200, content) if content is not None else (404, b"<html>not found</html>")
         kernel = self.kernels.get(f"{parts[2]}/{parts[3]}")
         name = "/".join(parts[4:])
         if kernel is None or name not in kernel.outputs or name in self.missing_outputs:
@@ -284,6 +305,15 @@ def _handler(fake: FakeKaggle):
             service, method = path.split("/")[-2:]
             fake.calls.append(f"{service}/{method}")
             status, answer = fake.answer(method, body, self.headers.get("Authorization"))
+            if status == 0:
+                self.close_connection = True
+                return
+            if status in (301, 302):
+                self.send_response(status)
+                self.send_header("Location", answer["location"])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             self._send(status, json.dumps(answer).encode(), "application/json")
 
         def do_PUT(self) -> None:

@@ -221,6 +221,26 @@ def test_memory_benchmarks_refuse_device_cuda_without_a_gpu_before_the_grid(scri
     assert "failed" not in done.stdout  # not one failure per grid point
 
 
+def test_the_memory_grid_measures_ptbrs_default_loss_when_asked(monkeypatch):
+    """--chunked-loss: every point is predicted and measured with the chunked loss (the table says
+    which loss); without it, the whole logits, as the README's GPU tables were measured."""
+    accuracy = load_benchmark("memory_accuracy")
+    measured = []
+
+    def fake_measure(script, point, row, timeout, env, also):
+        measured.append(point)
+        return row | {"measured": row["predicted"], "error_pct": 0.0, "seconds": 1.0}
+
+    monkeypatch.setattr(accuracy, "measure_in_fresh_process", fake_measure)
+    point = ("tiny", 32000, 8, 512, "fp32", False)
+    chunked = accuracy.run_grid("cpu", [point], 60, chunked_loss=True)
+    whole = accuracy.run_grid("cpu", [point], 60)
+    assert [p["chunked_loss"] for p in measured] == [True, False]
+    # the 32k-entry fp32 logits of 4,096 tokens (500 MiB) are what the chunked loss leaves out
+    assert whole[0]["predicted"] - chunked[0]["predicted"] > 4096 * 32000 * 4
+    assert "| tiny | 32000 | 8 x 512 | fp32 | no | chunked |" in accuracy.markdown(chunked, "cuda")
+    assert "| tiny | 32000 | 8 x 512 | fp32 | no | whole |" in accuracy.markdown(whole, "cuda")
+
 def test_an_optional_reference_that_fails_is_left_out_with_a_note(monkeypatch, capsys, tmp_path):
     """A reference setting that may not run everywhere (the Trainer in torch.compile's reduce-overhead
     mode, on a GPU) is left out of its section after it fails, its earlier rounds too, and the table

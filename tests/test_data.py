@@ -37,12 +37,54 @@ def test_prepare_writes_bins_tokenizer_and_meta(dataset_dir, corpus_dir):
 def test_utf16_without_a_byte_order_mark_is_not_taken_for_text(tmp_path, capsys):
     """UTF-16-LE of ASCII text is valid UTF-8, a NUL after every character: it was tokenized as such."""
     text = tmp_path / "utf16.txt"
-    text.write_bytes("Bom dia, mundo.\n\nOutro documento.\n".encode("utf-16-le"))
+    text.write_bytes("Bom dia, mundo.\n\nOutro documento, ação.\n".encode("utf-16-le"))
     assert main(["prepare", "--input", str(text), "--output", str(tmp_path / "out"), "--vocab-size", "300"]) == 3
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: file holds NUL characters: UTF-16 text without a byte-order mark, or not text ({text}); fix: "
-        "convert it to UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
+        f"error: file is UTF-16LE without a byte-order mark (a NUL byte beside most characters), not UTF-8 ({text}); "
+        f"fix: convert it to UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8 {text} > {tmp_path / 'utf16.utf8.txt'}, then give "
+        "that file)")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("encoding, named", [("utf-16", "UTF-16"), ("utf-16-be", "UTF-16BE"), ("utf-32", "UTF-32"),
+                                             ("utf-32-be", "UTF-32")])
+def test_utf16_and_utf32_are_named_by_their_byte_order_mark(tmp_path, encoding, named):
+    """A byte-order mark tells UTF-16 and UTF-32 apart: "not valid UTF-8 (line 1, byte 0)" said nothing of
+    which, nor how to convert it."""
+    from ptbr.data.corpus import iter_documents
+
+    text = tmp_path / "texto.jsonl"
+    data = '{"text": "Bom dia, ação."}\n'
+    mark = {"utf-16-be": b"\xfe\xff", "utf-32-be": b"\x00\x00\xfe\xff"}.get(encoding, b"")  # (Python writes none)
+    text.write_bytes(mark + data.encode(encoding))
+    with pytest.raises(DataError) as info:
+        list(iter_documents(text))
+    source = "UTF-32" if named == "UTF-32" else "UTF-16"
+    assert info.value.one_line() == (
+        f"error: file is {source} (byte-order mark), not UTF-8 ({text}); fix: convert it to UTF-8 (e.g. iconv -f "
+        f"{source} -t UTF-8 {text} > {tmp_path / 'texto.utf8.jsonl'}, then give that file)")
+
+
+def test_a_nul_in_utf8_text_is_located_and_refused_in_both_formats(tmp_path):
+    """A stray NUL in UTF-8 text was "UTF-16 without a byte-order mark", whose iconv fix garbles a
+    UTF-8 file; in a .jsonl, "\\u0000" went into train.bin."""
+    from ptbr.data.corpus import iter_documents
+
+    text = tmp_path / "texto.txt"
+    text.write_bytes("Primeira linha, ação.\n\nSegunda\x00 linha.\n".encode())
+    with pytest.raises(DataError) as info:
+        list(iter_documents(text))
+    assert info.value.one_line() == (
+        f"error: file holds a NUL character (line 3, byte 32 of the file), which no text holds: the file is refused, "
+        f"not cleaned ({text}); fix: remove the NUL characters (e.g. tr -d '\\000' < {text} > "
+        f"{tmp_path / 'texto.clean.txt'}, then give that file)")
+    lines = tmp_path / "texto.jsonl"
+    lines.write_text('{"text": "ok"}\n{"text": "a\\u0000b"}\n')
+    with pytest.raises(DataError) as info:
+        list(iter_documents(lines))
+    assert info.value.one_line() == (
+        f'error: "text" holds a NUL character (\\u0000), which no text holds: the line is refused, not cleaned '
+        f"({lines}:2); fix: remove the \\u0000 from that line")
 
 
 def test_a_directory_is_searched_without_its_hidden_files_and_folders(tmp_path):
@@ -208,6 +250,39 @@ def test_reusing_a_tokenizer_gives_the_same_tokens(tmp_path, dataset_dir, corpus
             in capsys.readouterr().err)
 
 
+def test_the_progress_bars_move_as_one_file_is_read(tmp_path, monkeypatch):
+    """A corpus of one 200 MB file sat at 0% for 50 s, then jumped to 100%: the bar moved when a whole
+    file was done. And nothing moved for the 70 s the tokenizer trained. Both bars now count the
+    bytes of each block read (8 KiB), on a terminal only."""
+    import ptbr.data.prepare as prepare_module
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, show, what):
+            self.what, self.total, self.updates, self.postfix, self.closed = what, total, [], None, False
+            bars.append(self)
+
+        def update(self, count):
+            self.updates.append(count)
+
+        def set_postfix_str(self, text, refresh=True):
+            self.postfix = text
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(prepare_module, "_progress", Bar)
+    text = tmp_path / "um.txt"
+    text.write_text("Um parágrafo de texto, com ação e pão.\n\n" * 2000)
+    prepare([str(text)], tmp_path / "out", vocab_size=300, val_fraction=0.0)
+    assert [(bar.what, bar.total, bar.updates, bar.postfix, bar.closed) for bar in bars] == [
+        ("training the tokenizer", 88_000, [8192] * 10 + [6080], "computing the merges", True),
+        ("tokenizing", 88_000, [8192] * 10 + [6080], None, True)]
+    monkeypatch.undo()
+    assert prepare_module._progress(1, None, "tokenizing").disable  # (pytest's stderr is no terminal)
+
+
 def test_token_dtype_switches_to_uint32_past_65535():
     assert token_dtype(65535) == np.dtype("<u2")
     assert token_dtype(65536) == np.dtype("<u4")
@@ -237,10 +312,10 @@ def test_a_file_of_one_huge_line_is_read_a_piece_at_a_time(tmp_path, monkeypatch
     monkeypatch.setattr(corpus, "MAX_CHUNK_CHARS", 20)
     text = tmp_path / "one-line.txt"
     text.write_text("a" * 25 + " " * 20 + "b" * 10 + "\n\n" + "c" * 45)
-    pieces = list(corpus.iter_documents(text))
-    assert all(len(piece) <= 20 for piece, _ in pieces)
-    assert [end for _, end in pieces] == [False, False, True, False, False, True]
-    assert "".join(piece for piece, _ in pieces) == "a" * 25 + " " * 20 + "b" * 10 + "c" * 45
+    # a piece ends before a space that follows a letter (or, without one, where it stands): the
+    # spaces go with the next piece, which ends with the text that follows them
+    assert list(corpus.iter_documents(text)) == [("a" * 20, False), ("a" * 5, False), (" " * 20 + "b" * 10, False),
+                                                 ("", True), ("c" * 20, False), ("c" * 20, False), ("c" * 5, True)]
 
 
 def test_a_document_that_ends_right_after_a_full_piece_still_ends(tmp_path, monkeypatch, capsys):
@@ -365,6 +440,27 @@ def test_bad_jsonl_line_is_named(tmp_path):
     with pytest.raises(DataError) as info:
         prepare([str(bad)], tmp_path / "out", vocab_size=300, show_progress=False)
     assert info.value.where == f"{bad}:2"
+
+
+def test_invalid_json_is_told_whole_with_its_column(tmp_path):
+    """The line was parsed with its newline ("Invalid control character at", the string cut there) and
+    json's message lost its position ("... at (file:6)"); validate-data said "starting at at column"."""
+    from ptbr.data.corpus import iter_documents
+    from ptbr.finetune.data import inspect_jsonl
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "cortado\n{"text": "a\tb"}\n')
+    with pytest.raises(DataError) as info:
+        list(iter_documents(bad))
+    assert info.value.one_line() == (f"error: line is not valid JSON: Unterminated string starting at column 10 "
+                                     f"({bad}:2); fix: fix or remove that line")
+    bad.write_text('{"text": "ok"}\n{"text": "a\tb"}\n')
+    with pytest.raises(DataError) as info:
+        list(iter_documents(bad))
+    assert info.value.what == "line is not valid JSON: Invalid control character at column 12"
+    bad.write_text('{"prompt": "oi", "completion": "cortado\n{"prompt": "oi", "completion": "a\tb"}\n')
+    assert inspect_jsonl(bad).problems == ["line 1: invalid JSON: Unterminated string starting at column 32",
+                                           "line 2: invalid JSON: Invalid control character at column 34"]
 
 
 def test_the_bundled_sample_is_what_prepare_makes_of_its_text(tmp_path):

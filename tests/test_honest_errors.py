@@ -324,6 +324,10 @@ def test_smoke_never_writes_into_someone_else_s_directory(tmp_path, capsys):
     shown.mkdir()
     (shown / ".DS_Store").write_bytes(b"\0")
     assert main(["smoke", "--output", str(shown)]) == 0
+    # a check, not a run to study: no report.md and no "no report" line (in ptbr's images, which have
+    # no matplotlib, that line sent users to a temporary folder "in the /out volume")
+    assert not (shown / "report.md").exists() and not (shown / "plots").exists()
+    assert "report" not in capsys.readouterr().err
 
 
 def test_inputs_this_user_cannot_read_are_one_line_not_a_crash(toy, dataset_dir, monkeypatch, capsys):

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -24,7 +25,9 @@ import pytest
 import tests.test_finetune as finetune_tests
 from ptbr.cli import main
 from ptbr.data import SAMPLE_DIR
+from ptbr.errors import KaggleError
 from ptbr.kaggle import layout, remote
+from ptbr.kaggle.client import connect
 from tests import kaggle_fake
 from tests.kaggle_fake import KEY, TOKEN, USERNAME, FakeKaggle
 
@@ -618,6 +621,11 @@ def test_credentials_missing_or_refused_are_one_line_naming_where_kaggle_looks(f
     fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
     run = kaggle(fake, "status", str(tiny_bundle), credentials="token")
     assert run.returncode == 0 and run.stdout == f"{KERNEL_ID}: running\n"
+    # a kaggle.json that others can read: the client's warning, once (the client reads the file twice)
+    (config / "kaggle.json").write_text(json.dumps({"username": USERNAME, "key": KEY}))
+    (config / "kaggle.json").chmod(0o644)
+    run = kaggle(fake, "status", str(tiny_bundle), credentials="none")
+    assert run.returncode == 0 and run.stderr.count("Warning: Your Kaggle API key is readable by other users") == 1
 
 
 @pytest.mark.slow
@@ -759,6 +767,319 @@ def test_env_refuses_credential_names_not_words_that_hold_token():
                  "GOOGLE_APPLICATION_CREDENTIALS", "AUTH", "OAUTH_CLIENT", "AUTHORIZATION", "HTTP_AUTHORIZATION",
                  "MINIO_ACCESSKEYID", "SSH_PRIVATE_KEY"):
         assert refused(name), name
+
+
+# --- in this process, against the fake ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def here(fake, monkeypatch):
+    """`ptbr kaggle` run in this process against the fake, with the environment a subprocess gets
+    (kaggle() above); called again, it switches the credentials."""
+    def use(credentials: str = "key") -> None:
+        env = fake.env(str(fake.home), str(fake.tmp), credentials)
+        for name in [n for n in os.environ if n not in env]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+    use()
+    with contextlib.redirect_stdout(io.StringIO()):  # the client authenticates when imported
+        from kaggle.api.kaggle_api_extended import KaggleApi
+    # what the client sets when it is imported, as it would be in a process of its own: the local
+    # endpoint (KAGGLE_API_ENVIRONMENT=LOCALHOST) and the kaggle.json under this HOME
+    monkeypatch.setattr(KaggleApi, "args", ["--local"])
+    monkeypatch.setattr(KaggleApi, "config", str(fake.home / ".kaggle" / "kaggle.json"))
+    return use
+
+
+def small_bundle(folder: Path, slug: str = SLUG, resume: bool = True, title: str | None = None) -> Path:
+    """A bundle written by `ptbr kaggle bundle`'s own functions, with a stand-in ptbr wheel and no
+    data: nothing is built or downloaded."""
+    from ptbr.kaggle.bundle import Plan, fill_dataset, fill_kernel
+    from ptbr.kaggle.settings import BundleSettings
+
+    settings = BundleSettings(str(folder), USERNAME, slug, resume_from_previous=resume, title=title)
+    wheel = folder.parent / f"{folder.name}-ptbr-0.0.1-py3-none-any.whl"
+    wheel.write_bytes(b"a stand-in wheel")
+    plan = Plan({"model_size": "tiny"}, {}, None)
+    fill_dataset(folder / layout.DATASET, settings, plan, {"ptbr-0.0.1-py3-none-any.whl": wheel}, [])
+    marker_sha256 = BUILD.sha256(folder / layout.DATASET / layout.BUNDLE_MARKER)
+    fill_kernel(folder / layout.KERNEL, ROOT, settings, plan, marker_sha256)
+    return folder
+
+
+def error_of(capsys) -> str:
+    return last_error(capsys.readouterr().err)
+
+
+def test_kernel_only_refuses_a_dataset_whose_marker_is_another_bundles(here, fake, tmp_path, capsys):
+    """A bundle made again after its push can have the same files and sizes, and another marker: the
+    kernel, which holds the marker's sha256, would fail at its bundle stage once the GPU session started."""
+    bundle = small_bundle(tmp_path / "bundle")
+    populate(fake, bundle)
+    assert main(["kaggle", "push", str(bundle), "--kernel-only"]) == 0
+    assert f"dataset {KERNEL_ID}: its {layout.BUNDLE_MARKER} is this bundle's" in capsys.readouterr().err
+    marker = bundle / layout.DATASET / layout.BUNDLE_MARKER
+    pushed = marker.read_text()
+    remade = pushed.replace('"stop_after_s": 41400', '"stop_after_s": 41401')  # the same size, another sha256
+    assert remade != pushed and len(remade) == len(pushed)
+    marker.write_text(remade)
+    old, new = (hashlib.sha256(text.encode()).hexdigest() for text in (pushed, remade))
+    script = bundle / layout.KERNEL / layout.KERNEL_FILE
+    script.write_text(script.read_text().replace(old, new))  # as `ptbr kaggle bundle` would write it
+    fake.calls.clear()
+    assert main(["kaggle", "push", str(bundle), "--kernel-only"]) == 11
+    assert error_of(capsys) == (
+        f"error: the dataset {KERNEL_ID} on Kaggle is another version of the bundle: its {layout.BUNDLE_MARKER} is "
+        f"not this bundle's (sha256 {old[:12]}..., not {new[:12]}...; was the bundle made again since it was "
+        f"pushed?), and the kernel would refuse it ({bundle}); fix: push the dataset with the kernel: ptbr kaggle "
+        f"push {bundle} (without --kernel-only)")
+    assert "SaveKernel" not in " ".join(fake.calls) and len(fake.kernels[KERNEL_ID].pushes) == 1
+
+
+def test_kernel_only_says_when_the_bundle_does_not_resume(here, fake, tmp_path, capsys):
+    """--kernel-only is the way to the next session; a bundle made without --resume-from-previous
+    attaches no previous output, so that version starts the run over."""
+    bundle = small_bundle(tmp_path / "bundle", resume=False)
+    populate(fake, bundle)
+    assert main(["kaggle", "push", str(bundle), "--kernel-only"]) == 0
+    assert "warning: the bundle was made without" not in capsys.readouterr().err  # no previous version
+    assert main(["kaggle", "push", str(bundle), "--kernel-only"]) == 0
+    assert (f"warning: the bundle was made without --resume-from-previous: this version of {KERNEL_ID} starts "
+            "the run over from step 0, without the previous version's checkpoints; to continue that run, make the "
+            "bundle again with --resume-from-previous and push it (the dataset too)") in capsys.readouterr().err
+
+
+def test_a_kernel_refused_after_the_dataset_went_up_is_pushed_alone(here, fake, tmp_path, capsys):
+    bundle = small_bundle(tmp_path / "bundle")
+    fake.save_kernel_error = "Notebook is too large"
+    assert main(["kaggle", "push", str(bundle), "--poll-seconds", "0.01"]) == 11
+    assert error_of(capsys) == (
+        f"error: Kaggle refused the kernel {KERNEL_ID}: Notebook is too large ({bundle / layout.KERNEL}); fix: fix "
+        f"what Kaggle names, then push again; the dataset is up: `ptbr kaggle push {bundle} --kernel-only` pushes "
+        "the kernel alone")
+    assert len(fake.datasets[KERNEL_ID].versions) == 1
+
+
+def test_a_title_leads_to_the_slug_as_kaggles_client_computes_it(here, fake, tmp_path, capsys, monkeypatch):
+    """The client's slugify (python-slugify) reads "2°" as "2deg": a title ptbr took for the slug's
+    made the client print its own warning at push."""
+    assert layout.kernel_title("Treino 2° ciclo", "treino-2-ciclo") == "treino-2-ciclo"
+    assert layout.kernel_title("Treino 2° ciclo", "treino-2deg-ciclo") == "Treino 2° ciclo"
+    assert layout.kernel_title("Ação Rápida 2", "acao-rapida-2") == "Ação Rápida 2"
+    bundle = small_bundle(tmp_path / "bundle", slug="treino-2-ciclo", title="Treino 2° ciclo")
+    assert main(["kaggle", "push", str(bundle), "--poll-seconds", "0.01"]) == 0
+    out, err = capsys.readouterr()
+    assert "does not resolve" not in out + err and "does not lead" not in err
+    assert fake.kernels[f"{USERNAME}/treino-2-ciclo"].pushes[-1]["newTitle"] == "treino-2-ciclo"
+    # a title that does not lead to the id (the kernel's metadata edited): ptbr's warning, not the client's line
+    metadata = bundle / layout.KERNEL / layout.KERNEL_METADATA
+    metadata.write_text(metadata.read_text().replace('"title": "treino-2-ciclo"', '"title": "Treino 2° ciclo"'))
+    assert main(["kaggle", "push", str(bundle), "--kernel-only"]) == 0
+    out, err = capsys.readouterr()
+    assert "Your kernel title" not in out + err
+    assert (f"warning: the kernel's title 'Treino 2° ciclo' does not lead to its id {USERNAME}/treino-2-ciclo by "
+            "Kaggle's rule: Kaggle may name the kernel after its title; make the bundle again with a --title whose "
+            "letters and digits are the slug's") in err
+    # without python-slugify (the kaggle extra), only a title every rule agrees on is kept
+    monkeypatch.setitem(sys.modules, "slugify", None)
+    assert layout.kernel_title("Treino 2° ciclo", "treino-2-ciclo") == "treino-2-ciclo"
+    assert layout.kernel_title("Ação Rápida 2", "acao-rapida-2") == "Ação Rápida 2"
+
+
+def test_a_request_kaggle_never_answers_gives_up(here, fake, tiny_bundle_stub):
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
+    fake.hang = {"GetKernelSessionStatus"}
+    with pytest.raises(KaggleError) as caught:
+        remote.status(str(tiny_bundle_stub), waiting=remote.Waiting(request_timeout_s=0.2))
+    assert caught.value.exit_code == 11 and caught.value.one_line() == (
+        f"error: cannot ask about the kernel {KERNEL_ID}: Kaggle did not answer within 0.2 s (Kaggle API); fix: "
+        "check the network (and https://status.kaggle.com), then run the command again")
+
+
+def test_waiting_rides_out_kaggles_passing_failures(here, fake, tiny_bundle_stub, caplog):
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING", "RUNNING", "COMPLETE"])
+    fake.failures = {"GetKernelSessionStatus": [502, 429]}
+    waiting = remote.Waiting(poll_s=0.01, retries=2)
+    assert remote.status(str(tiny_bundle_stub), wait=True, waiting=waiting) == "complete"
+    assert (f"warning: cannot ask about the kernel {KERNEL_ID}: Kaggle answered HTTP 502: Service Unavailable; "
+            "asking again in 0.01 s (1 of 2 failures in a row allowed while waiting)") in caplog.text
+    assert "Kaggle answered HTTP 429: Too Many Requests; asking again in 0.01 s (2 of 2" in caplog.text
+    # more failures in a row than allowed
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
+    fake.failures = {"GetKernelSessionStatus": [503, 503, 503]}
+    with pytest.raises(KaggleError) as caught:
+        remote.status(str(tiny_bundle_stub), wait=True, waiting=waiting)
+    assert caught.value.one_line() == (
+        f"error: cannot ask about the kernel {KERNEL_ID}: Kaggle answered HTTP 503: Service Unavailable (3 times in a "
+        "row, 0.01 s apart) (Kaggle API); fix: the failure is on Kaggle's side: run the command again in a few "
+        "minutes (see https://status.kaggle.com if it lasts)")
+    # push's wait for the dataset alike
+    fake.datasets[KERNEL_ID] = kaggle_fake.Dataset([{}], statuses=["BLOBS_RECEIVED"])
+    fake.failures = {"GetDatasetStatus": [500]}
+    remote.wait_until_ready(connect(1.0), KERNEL_ID, waiting)
+    assert f"dataset {KERNEL_ID}: ready" in caplog.text
+
+
+def test_kaggles_http_errors_name_the_status_and_what_to_do(here, fake, tiny_bundle_stub, capsys):
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
+    fake.fail_methods = {"GetKernelSessionStatus": 429}
+    assert main(["kaggle", "status", str(tiny_bundle_stub)]) == 11
+    assert error_of(capsys) == (
+        f"error: cannot ask about the kernel {KERNEL_ID}: Kaggle answered HTTP 429: Too Many Requests (Kaggle API); "
+        "fix: Kaggle is limiting the rate of requests: wait a few minutes, then run the command again")
+    # the client replaces a 403 with a text of its own about benchmark leaderboards
+    fake.fail_methods = {"GetKernelSessionStatus": 403}
+    assert main(["kaggle", "status", str(tiny_bundle_stub)]) == 11
+    assert error_of(capsys) == (
+        f"error: cannot ask about the kernel {KERNEL_ID}: Kaggle answered HTTP 403: Permission denied (Kaggle API); "
+        "fix: check the bundle's owner and slug, and that your account may do this")
+    # Kaggle failing while the client checks a token is no network problem
+    fake.fail_methods = {"IntrospectToken": 500}
+    here("token")
+    assert main(["kaggle", "status", str(tiny_bundle_stub)]) == 11
+    assert error_of(capsys) == (
+        "error: cannot check the credentials with Kaggle: Kaggle answered HTTP 500: Service Unavailable (Kaggle API); "
+        "fix: the failure is on Kaggle's side: run the command again in a few minutes (see "
+        "https://status.kaggle.com if it lasts)")
+
+
+def test_a_refused_token_is_named_where_a_key_was_there_too(here, fake, tiny_bundle_stub, capsys, monkeypatch):
+    """Kaggle did not take the token, so the client authenticated with the key, and still sent the
+    token with every request."""
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
+    monkeypatch.setenv("KAGGLE_API_TOKEN", "KGAT_expired")
+    assert main(["kaggle", "status", str(tiny_bundle_stub)]) == 2
+    assert error_of(capsys) == (
+        f"error: Kaggle refused the credentials from the token in KAGGLE_API_TOKEN (HTTP 401) while trying to ask "
+        f"about the kernel {KERNEL_ID} (ptbr kaggle); fix: remove or replace KAGGLE_API_TOKEN: the client sends a "
+        "token wherever it finds one, before kaggle.json or KAGGLE_KEY, even one Kaggle did not accept; to replace "
+        "it, create an API token at https://www.kaggle.com/settings/api (\"Generate New Token\") and save it to "
+        "~/.kaggle/access_token (chmod 600), or export KAGGLE_API_TOKEN=...")
+
+
+def test_the_kaggle_json_named_is_the_one_the_client_reads(here, fake, tiny_bundle_stub, capsys, monkeypatch,
+                                                            tmp_path):
+    """With KAGGLE_CONFIG_DIR set the client reads that folder's kaggle.json alone (the class
+    attribute `config`, computed when the client is imported, is set as it would be)."""
+    from kaggle.api.kaggle_api_extended import KaggleApi
+
+    here("none")
+    (fake.home / ".kaggle").mkdir(exist_ok=True)
+    (fake.home / ".kaggle" / "kaggle.json").write_text("{broken")
+    config = tmp_path / "config" / "kaggle.json"
+    config.parent.mkdir()
+    monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(config.parent))
+    monkeypatch.setattr(KaggleApi, "config", str(config))
+    assert main(["kaggle", "status", str(tiny_bundle_stub)]) == 2
+    assert error_of(capsys).startswith(
+        "error: no Kaggle credentials found (Kaggle looks in KAGGLE_API_TOKEN (a token, or a file holding it), "
+        f"~/.kaggle/access_token, {config} ($KAGGLE_CONFIG_DIR), KAGGLE_USERNAME and KAGGLE_KEY, or the login")
+    # JSON that is not an object: the client fails on it with a TypeError of its own
+    config.write_text("[1, 2]")
+    config.chmod(0o600)
+    assert main(["kaggle", "status", str(tiny_bundle_stub)]) == 2
+    assert error_of(capsys).startswith(f'error: {config} is not usable: it needs "username" and "key" (ptbr kaggle); '
+                                       'fix: write it as {"username": "YOUR_NAME", "key": "YOUR_KEY"}')
+
+
+def test_poll_seconds_is_bounded(capsys, tiny_bundle_stub):
+    assert main(["kaggle", "status", str(tiny_bundle_stub), "--wait", "--poll-seconds", "1e300"]) == 2
+    assert error_of(capsys) == ("error: --poll-seconds must be > 0 and at most 86400 (a day), got 1e+300 (ptbr kaggle "
+                                "status); fix: give a number of seconds")
+
+
+def test_output_never_replaces_a_download_with_nothing(here, fake, tiny_bundle_stub, tmp_path, capsys):
+    """A version still queued or running lists no outputs: the previous version's download stays."""
+    outputs = {layout.RUN_MARKER: b"{}", "run/train.log": b"step 1/24 | loss 7.6\n"}
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(outputs=outputs, log="log\n")
+    target = tmp_path / "outputs"
+    assert main(["kaggle", "output", str(tiny_bundle_stub), "--path", str(target)]) == 0
+    before = {name: path.read_bytes() for name, path in files_of(target).items()}
+    fake.kernels[KERNEL_ID] = kaggle_fake.Kernel(statuses=["RUNNING"])
+    capsys.readouterr()
+    assert main(["kaggle", "output", str(tiny_bundle_stub), "--path", str(target)]) == 11
+    assert error_of(capsys) == (
+        f"error: Kaggle lists no output files for the kernel {KERNEL_ID}: the previous download in {target} is kept "
+        f"({KERNEL_ID}); fix: a version still queued or running has none yet: ask `ptbr kaggle status "
+        f"{tiny_bundle_stub}`, and fetch the outputs once it has ended")
+    assert {name: path.read_bytes() for name, path in files_of(target).items()} == before
+    # into a new folder: the log alone, said so
+    assert main(["kaggle", "output", str(tiny_bundle_stub), "--path", str(tmp_path / "new")]) == 0
+    assert (f"warning: Kaggle lists no output files for the kernel {KERNEL_ID} (a version still queued or running "
+            f"has none yet: ptbr kaggle status {tiny_bundle_stub}); only its log is written") in capsys.readouterr().err
+
+
+def test_output_names_the_folder_it_must_write_in(tiny_bundle_stub, tmp_path, capsys, monkeypatch):
+    """The download is written beside --path, then moved in: a writable --path in a folder that is
+    not writable fails there (root writes anywhere: os.access says what a user would meet)."""
+    parent = tmp_path / "shared"
+    (parent / "mine").mkdir(parents=True)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != parent and access(path, mode))
+    assert main(["kaggle", "output", str(tiny_bundle_stub), "--path", str(parent / "mine")]) == 6
+    assert error_of(capsys) == (
+        f"error: cannot write in {parent}: the download is written there beside mine, then moved into its place "
+        f"({parent / 'mine'}); fix: give yourself write access to {parent}, or give a --path in a folder you can "
+        "write")
+
+
+def test_auto_fit_is_refused_for_two_t4s_at_bundle_time(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("auto_fit: true\n")
+    assert main(["kaggle", "bundle", "--output", str(tmp_path / "b"), "--owner", USERNAME, "--slug", SLUG,
+                 "--config", str(config)]) == 2
+    assert error_of(capsys) == (
+        "error: auto_fit runs in one process, and num_processes auto (auto: one per T4) starts 2 on Kaggle: set "
+        "auto_fit false and a batch that fits (`ptbr preflight --for kaggle` plans one), or num_processes 1 "
+        f"({config}); fix: see `ptbr kaggle bundle --help`")
+    assert not (tmp_path / "b").exists()
+    config.write_text("auto_fit: true\nnum_processes: '1'\n")  # one process: planned as asked (then wheels)
+    from ptbr.kaggle.bundle import plan_contents
+    from ptbr.kaggle.settings import BundleSettings
+
+    assert plan_contents(BundleSettings(str(tmp_path / "b"), USERNAME, SLUG, config=str(config))).settings[
+        "auto_fit"] is True
+
+
+def test_a_kernel_stopped_before_training_leaves_the_run_for_the_next_version(tmp_path, monkeypatch):
+    """Kaggle ends a session with SIGTERM, at any stage: one arriving before training (here while
+    installing) ended the kernel without its record, and every later version, finding no
+    ptbr-kaggle-run.json beside the run it copied, failed at its resume stage."""
+    root = tmp_path / "first"
+    (root / "input" / SLUG).mkdir(parents=True)
+    info = {"id": KERNEL_ID, "ptbr_version": "0", "mode": "pretrain", "folders": ["wheels"], "files": {}}
+    (root / "input" / SLUG / "wheels").mkdir()
+    (root / "input" / SLUG / layout.BUNDLE_MARKER).write_text(json.dumps(info))
+    attach(previous_output(tmp_path / "previous"), root / "input" / f"{SLUG}-output")
+    working = root / "working"
+    monkeypatch.setenv("KAGGLE_ROOT", str(root))
+    monkeypatch.setattr(KERNEL, "BUNDLE_ID", KERNEL_ID)
+    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    seen = {}
+
+    def install(wheels, info) -> None:  # the session ends while pip runs
+        seen["record"] = json.loads((working / layout.RUN_MARKER).read_text())  # there for a SIGKILL too
+        assert callable(signal.getsignal(signal.SIGTERM)), "SIGTERM's default action: no record"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(KERNEL, "install", install)
+    before = signal.getsignal(signal.SIGTERM)
+    assert KERNEL.main() == 130
+    unlock(root / "input")
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert seen["record"]["stages"] == {"environment": "ok", "resume": "ok"} and seen["record"]["resumed_from"]
+    record = json.loads((working / layout.RUN_MARKER).read_text())
+    assert record["stages"] == {"environment": "ok", "resume": "ok", "bundle": "ok", "install": "stopped"}
+    assert record["failure"] == "stopped by SIGTERM at stage install" and record["exit_code"] == 130
+    # the next version, pushed expecting a run, finds this one's
+    attach(working, tmp_path / "second" / "input" / f"{SLUG}-output")
+    found = KERNEL.restore_previous_run(tmp_path / "second" / "input", KERNEL_ID, tmp_path / "second" / "run",
+                                        tmp_path / "second")
+    assert found == str(tmp_path / "second" / "input" / f"{SLUG}-output" / "run")
+    unlock(tmp_path / "second" / "input")
 
 
 # --- the kernel, run here ------------------------------------------------------------------------------------

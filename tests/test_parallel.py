@@ -100,6 +100,23 @@ def ptbr(*args: str, timeout: float = 300, env: dict | None = None) -> subproces
                           cwd=REPO, env=env)
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """one_process(COMMAND, *ARGS): the output directory of `ptbr COMMAND --output DIR *ARGS` in one
+    process, run once for every test of this module that compares against the same run."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def run(command: str, *args: str) -> Path:
+        if (command, *args) not in made:
+            output = tmp_path_factory.mktemp("one-process") / "run"
+            done = ptbr(command, "--output", str(output), *args)
+            assert done.returncode == 0, done.stderr
+            made[(command, *args)] = output
+        return made[(command, *args)]
+
+    return run
+
+
 def max_difference(a: Path, b: Path) -> float:
     wa, wb = load_file(str(a)), load_file(str(b))
     assert wa.keys() == wb.keys()
@@ -131,7 +148,7 @@ def test_two_processes_train_the_model_one_process_trains_with_twice_the_batch(t
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path, chunked):
+def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path, chunked, one_process):
     """40 examples, 2 x batch 3 against 1 x batch 6: the epoch's last global micro-batch has 4
     examples (3 on rank 0, 1 on rank 1); dropout 0 so that both runs draw nothing at random.
     chunked: the two ranks' loss in chunks of 10 tokens (the frozen output layer's input taken
@@ -148,18 +165,15 @@ def test_lora_fine_tuning_in_two_processes_equals_one(toy, tmp_path, chunked):
     assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}  # see test_accelerate_launch_is_a_launcher_too
     assert ("chunked loss: 10 tokens per chunk" in two.stderr) == chunked
     assert ("chunked loss:" in two.stderr) == chunked
-    one = ptbr("finetune", "--output", str(tmp_path / "one"), "--batch-size", "6", *common, "--no-chunked-loss")
-    assert one.returncode == 0, one.stderr
+    one = one_process("finetune", "--batch-size", "6", *common, "--no-chunked-loss")
     assert max_difference(tmp_path / "two" / "adapters" / "adapter_model.safetensors",
-                          tmp_path / "one" / "adapters" / "adapter_model.safetensors") < 1e-5
-    assert [r["loss"] for r in metrics(tmp_path / "two")] == pytest.approx(
-        [r["loss"] for r in metrics(tmp_path / "one")], rel=1e-5)
+                          one / "adapters" / "adapter_model.safetensors") < 1e-5
+    assert [r["loss"] for r in metrics(tmp_path / "two")] == pytest.approx([r["loss"] for r in metrics(one)], rel=1e-5)
 
 
-def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
+def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path, one_process):
     common = [*TINY, "--save-every", "2"]
-    straight = ptbr("train", "--output", str(tmp_path / "straight"), "--batch-size", "4", "--max-steps", "4", *common)
-    assert straight.returncode == 0, straight.stderr
+    straight = one_process("train", "--batch-size", "4", *TINY, "--max-steps", "4", "--save-every", "2")
     run = tmp_path / "run"
     first = ptbr("train", "--output", str(run), "--batch-size", "2", "--num-processes", "2", "--max-steps", "4",
                  *common)
@@ -172,26 +186,22 @@ def test_a_two_process_checkpoint_resumes_in_one_process(tmp_path):
     resumed = ptbr("train", "--output", str(run), "--batch-size", "4", "--max-steps", "4", *common)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr and "step_000002" in resumed.stderr
-    assert max_difference(run / "final" / "model.safetensors", tmp_path / "straight" / "final" /
-                          "model.safetensors") < 1e-5
+    assert max_difference(run / "final" / "model.safetensors", straight / "final" / "model.safetensors") < 1e-5
 
 
-def test_fsdp_shards_and_gives_the_same_model(tmp_path):
+def test_fsdp_shards_and_gives_the_same_model(tmp_path, one_process):
     common = [*TINY, "--max-steps", "4", "--save-every", "2"]
     fsdp = ptbr("train", "--output", str(tmp_path / "fsdp"), "--batch-size", "2", "--num-processes", "2", "--fsdp",
                 *common, env=recording_threads_at_exit(tmp_path))
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}  # see test_accelerate_launch_is_a_launcher_too
-    one = ptbr("train", "--output", str(tmp_path / "one"), "--batch-size", "4", *common)
-    assert one.returncode == 0, one.stderr
-    assert max_difference(tmp_path / "fsdp" / "final" / "model.safetensors",
-                          tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    one = one_process("train", "--batch-size", "4", *common)
+    assert max_difference(tmp_path / "fsdp" / "final" / "model.safetensors", one / "final" / "model.safetensors") < 1e-5
     # its checkpoints hold the whole state: a single process resumes from one
     resumed = ptbr("train", "--output", str(tmp_path / "single"), "--batch-size", "4", *common, "--resume",
                    str(tmp_path / "fsdp" / "checkpoints" / "step_000002"))
     assert resumed.returncode == 0, resumed.stderr
-    assert max_difference(tmp_path / "single" / "final" / "model.safetensors",
-                          tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    assert max_difference(tmp_path / "single" / "final" / "model.safetensors", one / "final" / "model.safetensors") < 1e-5
     # and FSDP resumes from its own: the chunked loss's start-up check (one forward pass) left the
     # root unit gathered, and loading the checkpoint failed (exit 4)
     again = tmp_path / "again"
@@ -202,13 +212,13 @@ def test_fsdp_shards_and_gives_the_same_model(tmp_path):
                   "--hang-timeout", "120"]
     resumed = ptbr(*fsdp_again)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert max_difference(again / "final" / "model.safetensors", tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    assert max_difference(again / "final" / "model.safetensors", one / "final" / "model.safetensors") < 1e-5
     # a run resumed at --max-steps trains no step and writes final/ again: the main rank alone asked
     # the sharded model for its weights (a collective) and waited forever (the watchdog: exit 8)
     shutil.rmtree(again / "final")
     rewritten = ptbr(*fsdp_again)
     assert rewritten.returncode == 0, rewritten.stderr[-3000:]
-    assert max_difference(again / "final" / "model.safetensors", tmp_path / "one" / "final" / "model.safetensors") < 1e-5
+    assert max_difference(again / "final" / "model.safetensors", one / "final" / "model.safetensors") < 1e-5
 
 
 def test_the_chunked_loss_under_ddp_and_fsdp_gives_the_same_model(tmp_path):
@@ -529,7 +539,7 @@ def test_a_rank_s_own_error_is_the_run_s_last_line_and_ends_its_log(tmp_path):
     failed = ptbr("train", "--output", str(run), "--batch-size", "2", "--num-processes", "2", *TINY, "--max-steps",
                   "6", "--save-every", "2", env=with_startup_code(tmp_path, FAIL_ON_RANK_1))
     assert failed.returncode == 3, failed.stderr[-8000:]
-    line = "error: a window past the end of the file (train.bin); fix: prepare the data again"
+    line = "error: rank 1 of 2: a window past the end of the file (train.bin); fix: prepare the data again"
     assert failed.stderr.strip().splitlines()[-1] == line
     assert "bug in ptbr" not in failed.stderr and "Traceback" not in failed.stderr
     assert not (run / "crash_report.txt").exists()
@@ -537,6 +547,35 @@ def test_a_rank_s_own_error_is_the_run_s_last_line_and_ends_its_log(tmp_path):
     assert log.splitlines()[-1].endswith(" " + line) and "bug in ptbr" not in log, log[-3000:]
     status = ptbr("monitor", str(run), "--once").stdout
     assert f": {line}" in next(row for row in status.splitlines() if row.startswith("status")), status
+
+
+def test_the_launcher_s_line_names_the_rank_whose_error_ended_the_run_and_so_does_its_crash_report(tmp_path, capsys):
+    """Rank 1 crashed: the launcher's last line, and so the end of train.log, `ptbr monitor` and
+    report.md, was that rank's own line, `error: unexpected RuntimeError: ... (details in
+    .../crash_report.txt)`, which named no rank (rank 0's line said the launcher's would), nor did the
+    crash report it wrote. A unit test of the launcher's last step, after torch's launcher returned."""
+    from types import SimpleNamespace
+
+    from ptbr.backends.torch.distributed import _say_why_a_rank_failed
+    from ptbr.monitor import assess, read_run
+
+    run = tmp_path / "run"
+    log = run / "workers" / "launch_1" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    crash = (f"error: unexpected RuntimeError: injected crash (details in {run / 'crash_report.txt'}); fix: this is "
+             "a bug in ptbr, please report it with that file")
+    log.write_text(f"step 5/10 | loss 7.2663\n{crash}\n")
+    (run / "crash_report.txt").write_text("ptbr crash report, 2026-11-28T00:19:02+00:00\n\nTraceback ...\n")
+    (run / "train.log").write_text("2026-11-28 00:19:01 step 5/10 | loss 7.2663\n")
+    failures = {0: SimpleNamespace(exitcode=130, timestamp=2), 1: SimpleNamespace(exitcode=1, timestamp=1)}
+    assert _say_why_a_rank_failed(failures, 2, run / "workers", "launch") == 1
+    line = (f"error: rank 1 of 2: unexpected RuntimeError: injected crash (details in {run / 'crash_report.txt'}); "
+            "fix: this is a bug in ptbr, please report it with that file")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line
+    assert (run / "train.log").read_text().splitlines()[-1].endswith(" " + line)
+    assert assess(read_run(run)).headline.endswith(f": {line}")
+    assert (run / "crash_report.txt").read_text() == ("ptbr crash report of rank 1 of 2, 2026-11-28T00:19:02+00:00\n"
+                                                      "\nTraceback ...\n")
 
 
 def test_a_launch_on_an_output_in_use_is_refused_before_any_worker_starts(tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ptbr.monitor import share_of
 from ptbr.train.metrics import read_metrics
 from tests.conftest import REPO, run_cli, shown_size
 
@@ -83,13 +84,13 @@ def test_report_and_monitor_show_the_peak_against_the_prediction(peaked_run):
     assert peak >= 0.95 * memory["peak"]
     report = (out / "report.md").read_text()
     assert (f"| peak memory | measured {peak:,} B ({shown_size(peak)}); predicted {predicted:,} B "
-            f"({shown_size(predicted)}) ({100 * peak / predicted:.0f}% of the prediction) |") in report
+            f"({shown_size(predicted)}) ({share_of(peak, predicted)}% of the prediction) |") in report
     assert "each row holds the peak the run's process had reached by that step, not the memory in use" in report
     shown = run_cli("monitor", str(out), "--once", timeout=60)
     assert shown.returncode == 0, shown.stderr
     [line] = [line for line in shown.stdout.splitlines() if line.startswith("memory ")]
     assert line == (f"memory      peak {shown_size(peak)}, reached by step {by_step}; predicted peak "
-                    f"{shown_size(predicted)} ({100 * peak / predicted:.0f}%)")
+                    f"{shown_size(predicted)} ({share_of(peak, predicted)}%)")
 
 
 def test_test_gpu_on_a_cpu_prints_the_process_s_peak(tmp_path):

@@ -131,3 +131,38 @@ def test_the_ram_guard_and_preflight_see_the_containers_limit_not_the_hosts_ram(
     assert failed["fix"] == "use a smaller preset, or a higher container memory limit (e.g. docker run --memory 16g)"
     assert (checks["memory.requested"]["status"], checks["memory.requested"]["fix"]) == (
         "fail", "nothing smaller fits either: see memory.recommended")
+
+
+def test_a_data_parallel_cpu_run_counts_every_process_on_the_machine(monkeypatch, caplog):
+    """Each process of `--num-processes 2` on a CPU reaches the predicted peak from the same RAM:
+    a peak that fits once but not twice was let through, and the kernel killed a rank (exit 137)."""
+    from types import SimpleNamespace
+
+    from ptbr.backends.torch.distributed import TorchWorld
+    from ptbr.errors import DeviceError
+    from ptbr.runs.common import plan_host_memory
+
+    held = psutil.Process().memory_info().rss
+    real, swap = psutil.virtual_memory(), psutil.swap_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(total=64 * GIB, available=2 * GIB))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: swap._replace(free=0))
+    monkeypatch.setattr(ram_module, "CGROUP_ROOT", Path("/nonexistent-cgroup"))
+    kept = []
+    backend = SimpleNamespace(name="torch", device="cpu", keep_freed_memory=lambda: kept.append(1) or "")
+    settings = SimpleNamespace(auto_fit=False, batch_size=8)
+    peak = held + int(1.5 * GIB)  # 1.5 GiB more than held: one process fits in 2 GiB, two do not
+
+    backend.world = TorchWorld(rank=0, size=2, local_rank=0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(DeviceError) as refused:
+        plan_host_memory(peak, backend, settings)
+    assert str(refused.value).startswith(f"the memory model predicts a peak of {peak / GIB:.1f} GiB in each of "
+                                         "the 2 processes on this machine, 3.0 GiB more than they hold, and 2.0 "
+                                         "GiB is free (RAM and swap): the kernel would kill the run")
+    assert refused.value.fix.startswith("run fewer processes (--num-processes 1: on a CPU they share its cores")
+    # two machines of one process each (torchrun --nnodes 2): each has its own RAM
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    plan_host_memory(peak, backend, settings)
+    backend.world = SimpleNamespace(size=1)  # one process: the same peak fits
+    plan_host_memory(peak, backend, settings)
+    assert kept == []  # 1.5x the peak of 1.5 GiB more does not fit in 2 GiB: freed memory goes back

@@ -177,3 +177,37 @@ def test_prepare_keeps_every_document_as_its_whole_tokenization_and_the_trained_
     save_for_transformers(tmp_path / "data" / "tokenizer.json", tmp_path / "final")
     final = AutoTokenizer.from_pretrained(tmp_path / "final")
     assert prompt_ids(final, "Era uma vez", chat=False) == mistral("Era uma vez", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["byte-level BPE", "Mistral"])
+def test_a_line_longer_than_a_piece_is_the_tokens_of_the_whole_text(mistral, tmp_path, monkeypatch, trained):
+    """A line longer than a piece was cut where the piece was full, mid-word: its two sides were
+    tokenized apart (945,840 tokens for a 3.2M-character line, 945,836 for the whole). Pieces now end
+    before a space that follows a word, where neither tokenizer has a token across the cut; spaces
+    in runs, a tab, a newline after a full stop or after trailing spaces, accents, emoji and CJK."""
+    import random
+
+    from ptbr.data import corpus
+    from ptbr.data.prepare import prepare
+    from ptbr.data.tokenizer import load_tokenizer
+
+    mistral.save_pretrained(tmp_path / "fast")
+    monkeypatch.setattr(corpus, "MAX_CHUNK_CHARS", 100)
+    words = ["ação", "pão,", "São", "João", "café.", "à", "tarde;", "informação", "\tdois", " espaços", "😀",
+             "日本語", "12345", "(x)", "l'água", "—", "fim.\n", "linha  \n", "'s", "it's"]
+    rng = random.Random(0)
+    line = " ".join(rng.choice(words) for _ in range(1500))  # 8,019 characters, lines of up to 316
+    documents = [line.rstrip("\n"), "Outro documento, curto."]  # (a document ends without its newlines)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    pieces = [piece for piece, _ in corpus.iter_documents(tmp_path / "corpus.txt")]
+    assert len(pieces) == 66 and "".join(pieces) == "".join(documents)
+    tokenizer = None if trained else str(tmp_path / "fast" / "tokenizer.json")
+    meta = prepare([str(tmp_path / "corpus.txt")], tmp_path / "data", vocab_size=600, tokenizer_path=tokenizer,
+                   val_fraction=0.0, show_progress=False)
+    written = np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16).tolist()
+    encoder = load_tokenizer(tmp_path / "data" / "tokenizer.json")
+    encoder.encode_special_tokens = True
+    whole = [i for d in documents for i in encoder.encode(d, add_special_tokens=False).ids + [meta["eos_id"]]]
+    assert written == whole
+    if not trained:
+        assert whole == [i for d in documents for i in mistral(d, add_special_tokens=False)["input_ids"] + [2]]

@@ -11,11 +11,13 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 import tests.test_finetune as finetune_tests
+from ptbr import monitor
 from ptbr.cli import main
 from ptbr.monitor import smoothed
 from ptbr.train.metrics import SCALARS, read_metrics
@@ -98,7 +100,7 @@ def test_the_report_s_numbers_are_those_of_metrics_jsonl(resumed_run):
     assert shown["throughput"] == f"{statistics.median(r['tokens_per_s'] for r in rows):,.1f} tokens/s (median over the steps)"
     peak, predicted = max(r["mem_bytes"] for r in rows), config["predicted_peak_bytes"]
     assert shown["peak memory"] == (f"measured {peak:,} B ({shown_size(peak)}); predicted {predicted:,} B "
-                                    f"({shown_size(predicted)}) ({100 * peak / predicted:.0f}% of the prediction)")
+                                    f"({shown_size(predicted)}) ({monitor.share_of(peak, predicted)}% of the prediction)")
     assert shown["skipped steps"] == "0"
     assert re.fullmatch(r"1: \d{4}-\d\d-\d\d \d\d:\d\d:\d\d from step 6 \(`.+/checkpoints/step_000006`\)",
                         shown["resumes"]), shown["resumes"]
@@ -174,6 +176,64 @@ def test_report_command_rewrites_the_report_without_torch(resumed_run, tmp_path)
     assert shown["steps"] == "10 of 10" and shown["skipped steps"] == "1 (steps 4)"
     assert shown["peak memory"].startswith("measured 98,765,432,100 B (91.98 GiB); ")
     assert sorted(p.name for p in (copy / "plots").iterdir()) == sorted(f"{name}.png" for name in PLOTS)
+
+
+def test_report_md_gives_the_times_of_a_run_not_yet_finished_where_monitor_gives_ages(resumed_run, tmp_path):
+    """report.md took monitor's headline, "last activity 1 s ago", "written 1 s ago": stale as soon as
+    the file was read later. It gives the time itself, in UTC; monitor's screen keeps the age."""
+    import os
+    import socket
+
+    import psutil
+
+    from ptbr.lock import LOCK_FILE
+    from ptbr.monitor import assess, read_run
+    from ptbr.report import numbers
+
+    copy = tmp_path / "run"
+    shutil.copytree(resumed_run, copy)
+    (copy / "training_summary.json").unlink()
+    lock = copy / LOCK_FILE
+    lock.write_text(f"pid={os.getpid()}\nhost={socket.gethostname()}\n")
+    since = int(time.time()) - 5  # taken by this live process (started before), which then wrote a step
+    assert psutil.Process().create_time() <= since + 1
+    os.utime(lock, (since, since))
+    for name in ("metrics.jsonl", "train.log"):
+        os.utime(copy / name, (since + 3, since + 3))
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(since + 3))
+    where = f"PID {os.getpid()} on {socket.gethostname()}"
+    assert numbers(read_run(copy))["status"] == f"running ({where}), training; last activity at {when} UTC"
+    assert assess(read_run(copy), now=since + 9).headline == f"running ({where}), training; last activity 6 s ago"
+    os.utime(lock, (1_699_999_000, 1_699_999_000))  # taken before this process started: its PID is another's now
+    for name in ("metrics.jsonl", "train.log"):
+        os.utime(copy / name, (1_700_000_000, 1_700_000_000))
+    assert numbers(read_run(copy))["status"] == (f"dead: the run's process ({where}) is gone without a final summary; "
+                                                 "last step 10 of 10, written at 2023-11-14 22:13:20 UTC")
+    assert assess(read_run(copy), now=1_700_000_030).headline.endswith(", written 30 s ago")
+
+
+def test_a_peak_just_over_the_prediction_is_not_rounded_down_to_it():
+    """An MLX run 0.4% over its prediction showed "(100% of the prediction)" and "Measured/predicted: 1.00"."""
+    from ptbr.report import _memory_text, _ratio
+
+    over = {"peak_memory": 1_004_000_000, "predicted_peak": 1_000_000_000}
+    assert _ratio(over) == " (100.4% of the prediction)" and _memory_text(over).endswith(" Measured/predicted: 1.004.")
+    under = {"peak_memory": 950_000_000, "predicted_peak": 1_000_000_000}
+    assert _ratio(under) == " (95% of the prediction)" and _memory_text(under).endswith(" Measured/predicted: 0.95.")
+    assert [monitor.share_of(peak, 1_000_000) for peak in (1_000_040, 1_000_000, 999_996)] == ["100.004", "100", "100"]
+
+
+def test_a_run_config_that_cannot_be_read_is_warned_of_in_the_report_as_in_monitor(resumed_run, tmp_path, capsys):
+    """monitor warned "run_config.json cannot be read (JSONDecodeError)"; report.md printed "`ptbr ?` — ?, ?
+    on ?, ?" and no warning (a finished run's report asks monitor for no status, nor its warnings)."""
+    copy = tmp_path / "run"
+    shutil.copytree(resumed_run, copy)
+    (copy / "run_config.json").write_text('{"command": "train", "settings": {')
+    assert main(["report", str(copy)]) == 0
+    assert capsys.readouterr().err == f"warning: {copy}/run_config.json cannot be read (JSONDecodeError)\n"
+    about, warning = (copy / "report.md").read_text().split("\n\n")[1:3]
+    assert about.startswith("`ptbr ?` — ?, ? on ?, ?.")
+    assert warning == "- warning: run_config.json cannot be read (JSONDecodeError)"
 
 
 def test_several_runs_are_overlaid_in_one_report(resumed_run, tmp_path):

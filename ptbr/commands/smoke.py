@@ -30,7 +30,7 @@ def run_smoke(output: Path, device: str = "auto", backend: str = "auto") -> dict
     settings = PretrainConfig(output=str(output), model_size="tiny", seq_len=64, batch_size=4, max_steps=1,
                               save_every=1, eval_every=1, eval_batches=2, device=device, backend=backend,
                               resume="never")
-    summary = run_pretrain(settings)
+    summary = run_pretrain(settings, report=False)  # a check: no report.md, no "no report" line
     loss = summary["final_loss"]
     if loss is None or not math.isfinite(loss):
         raise SmokeFailed(f"smoke failed: the training loss is not finite: {loss}", str(output),

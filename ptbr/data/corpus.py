@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ptbr.errors import DataError
@@ -12,6 +14,17 @@ from ptbr.errors import DataError
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # A document longer than this is handed on in pieces, so no single string outgrows memory.
 MAX_CHUNK_CHARS = 1 << 20
+# Where a piece of a long document ends: just before a space that follows a character that is not
+# whitespace. No token spans that place: a byte-level BPE's pre-tokenizer (GPT-2's, Llama 3's) starts
+# a new pre-token at such a space, and no SentencePiece token (Llama's, Mistral's) holds a `▁` after
+# another character, so the pieces' tokens are the whole text's (tests/test_real_tokenizer.py).
+_PIECE_END = re.compile(r"(?s).*\S(?= )")
+# Byte-order marks, longest first (UTF-32-LE's begins with UTF-16-LE's): a file that starts with
+# one is that encoding, not UTF-8 (UTF-8's own mark is skipped as text is read)
+_BYTE_ORDER_MARKS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                     (b"\xfe\xff", "UTF-16"))
+# How much of a file's start is looked at for UTF-16 written without its byte-order mark.
+_HEAD_BYTES = 4096
 
 
 def find_corpus_files(inputs: list[str]) -> list[Path]:
@@ -49,20 +62,78 @@ def find_corpus_files(inputs: list[str]) -> list[Path]:
     return [named[0] for named in unique.values()]
 
 
-def iter_documents(path: Path) -> Iterator[tuple[str, bool]]:
-    """Yield (text, ends_document) pieces of one file, reading it line by line.
+def iter_documents(path: Path, on_read: Callable[[int], None] | None = None) -> Iterator[tuple[str, bool]]:
+    """Yield (text, ends_document) pieces of one file, reading it line by line; `on_read` is given
+    the number of bytes of each block read from the file (a progress bar's update).
 
     .txt: documents are separated by blank lines. .jsonl: one document per line, its "text" field.
     """
+    _refuse_what_is_not_utf8(path)
     try:
         if path.suffix.lower() == ".jsonl":
-            yield from _iter_jsonl(path)
+            yield from _iter_jsonl(path, on_read)
         else:
-            yield from _iter_txt(path)
+            yield from _iter_txt(path, on_read)
     except UnicodeDecodeError:
         line, byte = _first_invalid_utf8(path)
         raise DataError(f"file is not valid UTF-8 (line {line}, byte {byte:,} of the file)", str(path),
                         "convert it to UTF-8") from None
+
+
+def _refuse_what_is_not_utf8(path: Path) -> None:
+    """UTF-16 or UTF-32 told by its byte-order mark, and UTF-16 without one: a NUL byte beside most
+    characters (ASCII and Latin letters, UTF-16's first 256, have one), valid UTF-8 though no text."""
+    with open(path, "rb") as f:
+        head = f.read(_HEAD_BYTES)
+    converted = path.with_name(f"{path.stem}.utf8{path.suffix}")
+    fix = "convert it to UTF-8 (e.g. iconv -f {} -t UTF-8 " + f"{path} > {converted}, then give that file)"
+    for mark, encoding in _BYTE_ORDER_MARKS:
+        if head.startswith(mark):
+            raise DataError(f"file is {encoding} (byte-order mark), not UTF-8", str(path), fix.format(encoding))
+    pairs = len(head) // 2
+    even, odd = head[0:2 * pairs:2].count(0), head[1:2 * pairs:2].count(0)
+    for nuls, others, encoding in ((odd, even, "UTF-16LE"), (even, odd, "UTF-16BE")):
+        if pairs and nuls > pairs / 2 and others <= pairs / 10:
+            raise DataError(f"file is {encoding} without a byte-order mark (a NUL byte beside most characters), not "
+                            "UTF-8", str(path), fix.format(encoding))
+
+
+def _open_text(path: Path, on_read: Callable[[int], None] | None):
+    """`path` opened as open(path, encoding="utf-8-sig") does (-sig: a byte-order mark is not text),
+    with `on_read` told of every block read from the file."""
+    raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed with the text file wrapped around it
+    return io.TextIOWrapper(io.BufferedReader(_Counting(raw, on_read) if on_read else raw), encoding="utf-8-sig")
+
+
+class _Counting(io.RawIOBase):
+    """A file read in binary, whose every block read is counted in bytes."""
+
+    def __init__(self, raw, on_read: Callable[[int], None]):
+        self.raw, self.on_read = raw, on_read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        count = self.raw.readinto(buffer)
+        if count:
+            self.on_read(count)
+        return count
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def _first_nul(path: Path) -> tuple[int, int]:
+    """Line number and byte offset (from 0) of the first NUL byte."""
+    offset, number = 0, 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if b"\x00" in raw:
+                return number, offset + raw.index(0)
+            offset += len(raw)
+    return number, offset  # not reached where the file holds a NUL
 
 
 def _first_invalid_utf8(path: Path) -> tuple[int, int]:
@@ -79,19 +150,23 @@ def _first_invalid_utf8(path: Path) -> tuple[int, int]:
     return number, offset  # not reached where the file holds an invalid byte
 
 
-def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:
-    """Blank-line separated documents; one longer than MAX_CHUNK_CHARS is handed on in pieces, the
-    last of which ends it (an empty one where the document ended right after a full piece)."""
+def _iter_txt(path: Path, on_read: Callable[[int], None] | None) -> Iterator[tuple[str, bool]]:
+    """Blank-line separated documents; one longer than MAX_CHUNK_CHARS is handed on in pieces
+    (_piece_end says where each ends), the last of which ends it (an empty one where the document
+    ended right after a full piece)."""
     lines: list[str] = []
     size = 0
     unfinished = False  # a piece of a document went out, and its end has not
     continued = False  # the previous read stopped inside a line (a line longer than a piece)
-    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
+    with _open_text(path, on_read) as f:
         # at most a piece at a time: a file that is one huge line (no newlines) is not read whole
         for line in iter(lambda: f.readline(MAX_CHUNK_CHARS), ""):
-            if "\x00" in line:  # valid UTF-8, but no text holds it: UTF-16 without its byte-order mark
-                raise DataError("file holds NUL characters: UTF-16 text without a byte-order mark, or not text",
-                                str(path), "convert it to UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
+            if "\x00" in line:  # valid UTF-8 (UTF-16 without its byte-order mark was told apart before)
+                number, byte = _first_nul(path)
+                raise DataError(f"file holds a NUL character (line {number}, byte {byte:,} of the file), which no text "
+                                "holds: the file is refused, not cleaned", str(path),
+                                f"remove the NUL characters (e.g. tr -d '\\000' < {path} > "
+                                f"{path.with_name(path.stem + '.clean' + path.suffix)}, then give that file)")
             whole = line.endswith("\n") or len(line) < MAX_CHUNK_CHARS  # the line's end (or the file's)
             blank = not continued and whole and not line.strip()
             continued = not whole
@@ -103,26 +178,38 @@ def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:
             lines.append(line)
             size += len(line)
             if size >= MAX_CHUNK_CHARS:
-                # the newline that ends the piece goes with the next one: where the document ends
-                # here, it is cut as the end of every document is
                 piece = "".join(lines)
-                body = piece.rstrip("\n")
-                yield body, False
-                carry = piece[len(body):]
+                end = _piece_end(piece)
+                yield piece[:end], False
+                carry = piece[end:]  # (no place to end a piece in it: it waits for more text)
                 lines, size, unfinished = [carry] if carry else [], len(carry), True
     if lines or unfinished:
         yield "".join(lines).rstrip("\n"), True
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, bool]]:
-    with open(path, encoding="utf-8-sig") as f:
+def _piece_end(piece: str) -> int:
+    """Where a piece of a long document ends: before its last space that follows a character that
+    is not whitespace (_PIECE_END), so that the pieces' tokens are the whole text's. Where it has
+    none (a run of text without spaces), before its trailing whitespace: exact for byte-level BPE
+    and SentencePiece where that is a newline after a letter; elsewhere, at its end, whose token
+    may differ from the whole text's. The whitespace cut off goes with the next piece: where the
+    document ends there, it is cut as the end of every document is."""
+    found = _PIECE_END.match(piece)
+    if found:
+        return found.end()
+    return len(piece.rstrip()) or len(piece)
+
+
+def _iter_jsonl(path: Path, on_read: Callable[[int], None] | None) -> Iterator[tuple[str, bool]]:
+    with _open_text(path, on_read) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\n"))  # (a newline inside an unfinished string: "Invalid control")
             except json.JSONDecodeError as exc:
-                raise DataError(f"line is not valid JSON: {exc.msg}", f"{path}:{number}", "fix or remove that line") from exc
+                raise DataError(f"line is not valid JSON: {json_problem(exc)}", f"{path}:{number}",
+                                "fix or remove that line") from exc
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise DataError('line has no string "text" field', f"{path}:{number}",
@@ -132,12 +219,21 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, bool]]:
             except UnicodeEncodeError:
                 raise DataError('"text" holds invalid Unicode (an unpaired surrogate escape such as \\ud800)',
                                 f"{path}:{number}", "fix or remove that line") from None
+            if "\x00" in text:  # refused, as in a .txt
+                raise DataError('"text" holds a NUL character (\\u0000), which no text holds: the line is refused, '
+                                "not cleaned", f"{path}:{number}", "remove the \\u0000 from that line")
             if text.strip():
                 yield text, True
 
 
-def iter_texts(files: list[Path]) -> Iterator[str]:
-    """Plain text pieces of every file, for tokenizer training."""
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """What is wrong with a line of JSON and at which column: "Unterminated string starting at
+    column 43" (json's own messages that end in "at" expect the position after them)."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+
+
+def iter_texts(files: list[Path], on_read: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Plain text pieces of every file, for tokenizer training (`on_read`: see iter_documents)."""
     for path in files:
-        for text, _ in iter_documents(path):
+        for text, _ in iter_documents(path, on_read):
             yield text

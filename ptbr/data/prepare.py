@@ -145,8 +145,14 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
         shutil.copyfile(tokenizer_path, tokenizer_file)
     else:
         _log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {len(files)} file(s)")
-        counted = _Counted(iter_texts(files))
-        tokenizer = train_tokenizer(counted, vocab_size)
+        # reading the text is most of the training's time; its merges are computed once all is read
+        progress = _progress(sum(f.stat().st_size for f in files), show_progress, "training the tokenizer")
+        counted = _Counted(iter_texts(files, progress.update),
+                           lambda: progress.set_postfix_str("computing the merges", refresh=True))
+        try:
+            tokenizer = train_tokenizer(counted, vocab_size)
+        finally:
+            progress.close()
         if not counted.count:
             raise DataError("the inputs hold no text (empty files, blank lines or empty \"text\" fields only)",
                             ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else ""),
@@ -164,8 +170,7 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
     tokenizer.encode_special_tokens = True
     dtype = token_dtype(vocab)
 
-    total_bytes = sum(f.stat().st_size for f in files)
-    progress = _progress(total_bytes, show_progress)
+    progress = _progress(sum(f.stat().st_size for f in files), show_progress, "tokenizing")
     with _SplitWriter(stage, dtype, val_fraction) as writer:
         texts: list[str] = []
         ends: list[bool] = []
@@ -173,7 +178,7 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
         for path in files:
             long_document = False
             context = ""  # the end of the document's previous piece, where the document goes on
-            for text, ends_document in iter_documents(path):
+            for text, ends_document in iter_documents(path, progress.update):  # (by bytes as they are read)
                 if not ends_document and not long_document and path.suffix.lower() == ".txt":
                     long_document = True
                     _log(f"warning: {path} holds a document of more than {corpus.MAX_CHUNK_CHARS:,} characters "
@@ -189,7 +194,6 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
             if texts:
                 writer.write(_encode(tokenizer, texts, contexts), ends, eos)
                 texts, ends, contexts = [], [], []
-            progress.update(path.stat().st_size)
     progress.close()
     counts, documents = writer.tokens, writer.documents
     if not counts["train"]:
@@ -229,8 +233,8 @@ def _encode(tokenizer, texts: list[str], contexts: list[str]) -> list[list[int]]
     """The ids of each text. A piece of a long document (see corpus.MAX_CHUNK_CHARS) is encoded after
     the end of the piece before it (`contexts`) and keeps only its own tokens: encoded alone, a
     SentencePiece tokenizer (Llama, Mistral) would start it with a word start (`▁`), a space the
-    document does not have. (Pieces end at a line's end; where a line longer than a piece was cut and
-    its two sides merge into one token, the piece is encoded alone.)"""
+    document does not have. (Pieces end where no token spans the cut, corpus._piece_end; where a
+    text without spaces was cut and its two sides merge into one token, the piece is encoded alone.)"""
     joined = [context + text for context, text in zip(contexts, texts, strict=True)]
     encoded = [e.ids for e in tokenizer.encode_batch(joined, add_special_tokens=False)]
     for index, (context, text) in enumerate(zip(contexts, texts, strict=True)):
@@ -262,16 +266,18 @@ def _swap_in(stage: Path, output: Path) -> None:
 
 
 class _Counted:
-    """An iterator of texts that counts the non-blank ones it hands on."""
+    """An iterator of texts that counts the non-blank ones it hands on, and calls `at_end` after the last."""
 
-    def __init__(self, texts):
-        self.texts, self.count = texts, 0
+    def __init__(self, texts, at_end=None):
+        self.texts, self.count, self.at_end = texts, 0, at_end
 
     def __iter__(self):
         for text in self.texts:
             if text.strip():
                 self.count += 1
             yield text
+        if self.at_end is not None:
+            self.at_end()
 
 
 class _SplitWriter:
@@ -326,8 +332,9 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _progress(total: int, show: bool | None):
+def _progress(total: int, show: bool | None, what: str):
+    """A bar of `total` bytes read, on a terminal (`show` None) or where `show` asks for one."""
     from tqdm import tqdm
 
     disable = not sys.stderr.isatty() if show is None else not show
-    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=disable)
+    return tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=disable)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ptbr.data.batch import IGNORE_INDEX
+from ptbr.data.corpus import json_problem
 from ptbr.errors import DataError
 from ptbr.log import log
 
@@ -220,7 +221,7 @@ def inspect_jsonl(path: str | Path, tokenizer=None, max_seq_len: int | None = No
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            report.problems.append(f"line {number}: invalid JSON: {exc.msg} at column {exc.colno}")
+            report.problems.append(f"line {number}: invalid JSON: {json_problem(exc)}")
             continue
         schema, issues = check_record(value)
         report.problems.extend(f"line {number}: {issue}" for issue in issues)

@@ -160,6 +160,13 @@ def plan_contents(settings: BundleSettings) -> Plan:
     if str(checked.num_processes).isdigit() and int(checked.num_processes) > KAGGLE_GPUS:
         problems.append(f"num_processes {checked.num_processes} is more than Kaggle's {KAGGLE_GPUS} GPUs: give "
                         f"auto (one per GPU), or {KAGGLE_GPUS} or fewer")
+    processes = (KAGGLE_GPUS if checked.device != "cpu" else 1) if checked.num_processes == "auto" else \
+        int(checked.num_processes)
+    if getattr(checked, "auto_fit", False) and processes > 1:
+        auto = " (auto: one per T4)" if checked.num_processes == "auto" else ""
+        problems.append(f"auto_fit runs in one process, and num_processes {checked.num_processes}{auto} starts "
+                        f"{processes} on Kaggle: set auto_fit false and a batch that fits (`ptbr preflight --for "
+                        "kaggle` plans one), or num_processes 1")
     data = settings.data or file_values.get("data")
     if settings.mode == "finetune" and not data:
         problems.append("fine-tuning needs --data (train.jsonl, or a directory with train.jsonl and valid.jsonl)")

@@ -62,11 +62,22 @@ def id_problems(owner: str, slug: str, title: str | None) -> list[str]:
     return problems
 
 
-def slugify(text: str) -> str:
-    """The id Kaggle derives from a kernel's title (accents dropped, runs of other characters as
-    one hyphen)."""
-    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
-    return re.sub(r"[^a-z0-9]+", "-", ascii_text.lower()).strip("-")
+def slugify(text: str) -> str | None:
+    """The id Kaggle derives from a kernel's title, as its client computes it (python-slugify, which
+    the kaggle package requires: "2°" is "2deg", "1,5" is "15"). Without that package: the id where
+    the title holds only ASCII letters and digits, letters with accents, spaces and hyphens (every
+    rule gives the same id for those), else None."""
+    try:
+        from slugify import slugify as clients_slugify  # lazily: only the kaggle extra brings it
+    except ImportError:
+        plain = all(char.isascii() and (char.isalnum() or char in " -") or
+                    (char.isalpha() and unicodedata.normalize("NFKD", char)[0].isascii())
+                    for char in text)
+        if not plain:
+            return None
+        ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+        return re.sub(r"[^a-z0-9]+", "-", ascii_text.lower()).strip("-")
+    return clients_slugify(text)
 
 
 def kernel_title(title: str, slug: str) -> str:

@@ -5,16 +5,23 @@ dataset, so push counts what arrived."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
+import os
 import sys
 import tempfile
 import time
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 from ptbr.errors import ConfigError, KaggleError, OutputError
 from ptbr.files import file_sha256, is_litter, read_json, write_directory, write_json
-from ptbr.kaggle.client import call, connect, username
+from ptbr.kaggle.client import KaggleUnavailable, call, connect, username
 from ptbr.kaggle.layout import (
     BASE,
     BUNDLE_MARKER,
@@ -36,10 +43,13 @@ from ptbr.log import log
 
 @dataclass(frozen=True)
 class Waiting:
-    """How long push and status wait on Kaggle, and how often they ask."""
+    """How long push, status and output wait on Kaggle, and how often they ask."""
 
     poll_s: float = POLL_SECONDS
     dataset_timeout_s: float = 3600.0  # a large dataset takes Kaggle a while to process
+    request_timeout_s: float = 120.0  # one API request (uploads and output downloads are timed apart)
+    # failures on Kaggle's side (HTTP 5xx, 429, no answer) in a row that a wait rides out, asking again
+    retries: int = 10
 
 
 # A kernel in these states has not finished.
@@ -48,14 +58,15 @@ UNFINISHED = ("queued", "running", "new_script", "cancel_requested")
 
 def push(path: str, kernel_only: bool = False, waiting: Waiting = Waiting()) -> str:
     """The dataset (created, or a new version of it), checked file by file once Kaggle has it, then
-    the kernel. Returns the kernel's URL."""
+    the kernel. --kernel-only: the kernel alone, once the dataset on Kaggle is checked to be the
+    bundle (its marker byte for byte). Returns the kernel's URL."""
     bundle = read_bundle(path)
     # what is uploaded must be what the marker (and the kernel, which holds the marker's sha256) says;
     # --kernel-only uploads no file of the dataset (whose data may have been moved away meanwhile)
     check_the_kernel_script(bundle)
     if not kernel_only:
         check_local_files(bundle)
-    api = connect()
+    api = connect(waiting.request_timeout_s)
     owner = bundle.dataset_id.split("/")[0]
     if username(api) and username(api) != owner:
         raise ConfigError(f"the bundle is for the Kaggle user {owner}, but the credentials are {username(api)}'s",
@@ -63,7 +74,7 @@ def push(path: str, kernel_only: bool = False, waiting: Waiting = Waiting()) -> 
                           f"{owner}'s credentials")
     # before anything is uploaded: the kernel and the dataset of that id on Kaggle, if any, must be
     # this bundle's (a new version would take them over), and a running version refuses the push
-    check_existing_kernel(api, bundle, kernel_only)
+    previous = check_existing_kernel(api, bundle, kernel_only)
     exists = call(api, f"ask about the dataset {bundle.dataset_id}", api.dataset_status, bundle.dataset_id,
                   absent_ok=True) is not None
     if exists:
@@ -75,11 +86,23 @@ def push(path: str, kernel_only: bool = False, waiting: Waiting = Waiting()) -> 
                               f"push the dataset and the kernel: ptbr kaggle push {bundle.path} (without "
                               "--kernel-only)")
         log(f"dataset {bundle.dataset_id}: not uploaded again (--kernel-only)")
+        if previous is not None and bundle.kernel_id not in bundle.kernel_metadata.get("kernel_sources", []):
+            log(f"warning: the bundle was made without --resume-from-previous: this version of {bundle.kernel_id} "
+                "starts the run over from step 0, without the previous version's checkpoints; to continue that "
+                "run, make the bundle again with --resume-from-previous and push it (the dataset too)")
     else:
         upload_dataset(api, bundle, exists)
         wait_until_ready(api, bundle.dataset_id, waiting)
     check_dataset_files(api, bundle)
-    return push_kernel(api, bundle)
+    if kernel_only:
+        check_dataset_marker(api, bundle)
+    try:
+        return push_kernel(api, bundle)
+    except KaggleError as exc:
+        if not kernel_only:  # pushing the whole bundle again would upload the dataset again
+            exc.fix = (f"{exc.fix}; the dataset is up: `ptbr kaggle push {bundle.path} --kernel-only` pushes the "
+                       "kernel alone")
+        raise
 
 
 # --- before anything is sent ---------------------------------------------------------------------------
@@ -134,13 +157,14 @@ def check_local_files(bundle: Bundle) -> None:
 KERNEL_SIGNATURE = "[ptbr-kernel]"
 
 
-def check_existing_kernel(api, bundle: Bundle, kernel_only: bool) -> None:
+def check_existing_kernel(api, bundle: Bundle, kernel_only: bool) -> str | None:
     """A kernel of the bundle's id on Kaggle must be a ptbr kernel, and, where the bundle resumes
-    from its previous output, not still running: checked before the dataset is uploaded."""
+    from its previous output, not still running: checked before the dataset is uploaded. Returns
+    its state (None: Kaggle has no version of it)."""
     kernel = bundle.kernel_id
     state = kernel_state(api, kernel)
     if state is None:
-        return
+        return None
     from kaggle.api.kaggle_api_extended import ApiGetKernelRequest
 
     request = ApiGetKernelRequest()
@@ -159,6 +183,7 @@ def check_existing_kernel(api, bundle: Bundle, kernel_only: bool) -> None:
         raise KaggleError(f"the kernel {kernel} is still {state}: its output is not there to resume from, and "
                           "nothing was uploaded", kernel,
                           f"wait until it ends (`ptbr kaggle status {bundle.path} --wait`), {again}")
+    return state
 
 
 # what a bundle's dataset holds (kept as folders, or as the archives they were sent as)
@@ -212,10 +237,31 @@ def upload_dataset(api, bundle: Bundle, exists: bool) -> None:
                           "another --slug or --title)")
 
 
+Answer = TypeVar("Answer")
+
+
+def patiently(ask: Callable[[], Answer], waiting: Waiting) -> Answer:
+    """ask(), asked again after a failure on Kaggle's side (HTTP 5xx, 429, no answer), each said on
+    stderr, up to waiting.retries in a row: a wait of hours does not end on one bad answer."""
+    failures = 0
+    while True:
+        try:
+            return ask()
+        except KaggleUnavailable as exc:
+            failures += 1
+            if failures > waiting.retries:
+                raise KaggleUnavailable(f"{exc.what} ({failures} times in a row, {waiting.poll_s:g} s apart)",
+                                        exc.where, exc.fix) from exc
+            log(f"warning: {exc.what}; asking again in {waiting.poll_s:g} s ({failures} of {waiting.retries} "
+                "failures in a row allowed while waiting)")
+            time.sleep(waiting.poll_s)
+
+
 def wait_until_ready(api, dataset: str, waiting: Waiting) -> None:
     deadline = time.monotonic() + waiting.dataset_timeout_s
     while True:
-        status = str(call(api, f"ask about the dataset {dataset}", api.dataset_status, dataset)).lower()
+        status = str(patiently(lambda: call(api, f"ask about the dataset {dataset}", api.dataset_status, dataset),
+                               waiting)).lower()
         if status == "ready":
             log(f"dataset {dataset}: ready")
             return
@@ -279,6 +325,41 @@ def check_dataset_files(api, bundle: Bundle) -> None:
     log(f"dataset {bundle.dataset_id}: all {len(expected)} files arrived")
 
 
+def check_dataset_marker(api, bundle: Bundle) -> None:
+    """The dataset's ptbr-bundle.json on Kaggle must be this bundle's, byte for byte: the kernel
+    holds its sha256 and refuses any other at its bundle stage, after the GPU session started. A
+    bundle made again since its dataset was pushed can have the same files and sizes, not the same
+    marker (Kaggle lists no file hashes: the marker, a few kilobytes, is downloaded)."""
+    remote = hashlib.sha256(dataset_file(api, bundle.dataset_id, BUNDLE_MARKER)).hexdigest()
+    local = file_sha256(bundle.dataset / BUNDLE_MARKER)
+    if remote != local:
+        raise KaggleError(f"the dataset {bundle.dataset_id} on Kaggle is another version of the bundle: its "
+                          f"{BUNDLE_MARKER} is not this bundle's (sha256 {remote[:12]}..., not {local[:12]}...; "
+                          "was the bundle made again since it was pushed?), and the kernel would refuse it",
+                          str(bundle.path), f"push the dataset with the kernel: ptbr kaggle push {bundle.path} "
+                          "(without --kernel-only)")
+    log(f"dataset {bundle.dataset_id}: its {BUNDLE_MARKER} is this bundle's")
+
+
+def dataset_file(api, dataset: str, name: str) -> bytes:
+    """One file of the dataset's newest version, as Kaggle serves it (a file it sends zipped is
+    unpacked)."""
+    from kaggle.api.kaggle_api_extended import ApiDownloadDatasetRequest
+
+    request = ApiDownloadDatasetRequest()
+    request.owner_slug, request.dataset_slug = dataset.split("/")
+    request.file_name = name
+    what = f"download {name} of the dataset {dataset}"
+    with api.build_kaggle_client() as client:
+        response = call(api, what, client.datasets.dataset_api_client.download_dataset, request)
+        content = call(api, what, lambda: response.content)
+    if content[:4] == b"PK\x03\x04":
+        with zipfile.ZipFile(io.BytesIO(content)) as archive:
+            names = archive.namelist()
+            content = archive.read(name if name in names else names[0]) if names else b""
+    return content
+
+
 # --- the kernel ----------------------------------------------------------------------------------------
 
 
@@ -306,7 +387,16 @@ def push_kernel(api, bundle: Bundle) -> str:
     with tempfile.TemporaryDirectory(prefix="ptbr-kernel-") as folder:
         (Path(folder) / KERNEL_FILE).write_text(script, encoding="utf-8")
         (Path(folder) / KERNEL_METADATA).write_text(json.dumps(metadata, indent=2), encoding="utf-8")
-        response = call(api, f"push the kernel {kernel}", api.kernels_push, folder)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # the client prints its own warnings
+            response = call(api, f"push the kernel {kernel}", api.kernels_push, folder)
+    for line in printed.getvalue().splitlines():
+        if "title does not resolve" in line:
+            log(f"warning: the kernel's title {metadata.get('title')!r} does not lead to its id {kernel} by Kaggle's "
+                "rule: Kaggle may name the kernel after its title; make the bundle again with a --title whose "
+                "letters and digits are the slug's")
+        elif line.strip():
+            log(f"kaggle client: {line.strip()}")
     problems = [response.error] if response.error else []
     for field in ("invalid_dataset_sources", "invalid_kernel_sources", "invalid_model_sources",
                   "invalid_competition_sources", "invalid_tags"):
@@ -352,11 +442,15 @@ def status(path: str, wait: bool = False, waiting: Waiting = Waiting()) -> str:
     """Print the kernel's state (each change, with --wait, until it ends); a kernel that failed or was
     cancelled is a KaggleError."""
     bundle = read_bundle(path)
-    api = connect()
+    api = connect(waiting.request_timeout_s)
     kernel = bundle.kernel_id
     shown = None
+
+    def ask():
+        return call(api, f"ask about the kernel {kernel}", api.kernels_status, kernel, absent_ok=True)
+
     while True:
-        response = call(api, f"ask about the kernel {kernel}", api.kernels_status, kernel, absent_ok=True)
+        response = patiently(ask, waiting) if wait else ask()
         if response is None:
             raise KaggleError(f"Kaggle has no kernel {kernel}", str(bundle.path),
                               f"push it first: ptbr kaggle push {bundle.path}")
@@ -377,10 +471,10 @@ def status(path: str, wait: bool = False, waiting: Waiting = Waiting()) -> str:
     return state
 
 
-def output(path: str, target: str, pattern: str | None = None) -> Path:
+def output(path: str, target: str, pattern: str | None = None, waiting: Waiting = Waiting()) -> Path:
     """The kernel's newest outputs and its log, downloaded into `target` as a whole (a previous
-    download there is replaced; a folder holding anything it did not write is refused, the files
-    named), with a record of what this download wrote (DOWNLOADED)."""
+    download there is replaced, never by nothing; a folder holding anything it did not write is
+    refused, the files named), with a record of what this download wrote (DOWNLOADED)."""
     if target == "":
         raise ConfigError("--path must be a folder, got an empty path", "ptbr kaggle output", "give a new folder")
     pattern_re = None
@@ -403,11 +497,27 @@ def output(path: str, target: str, pattern: str | None = None) -> Path:
         raise OutputError(f"the download folder holds something other than a previous download of this kernel's "
                           f"outputs ({shown}): it would be replaced", str(destination),
                           "move those files out of the folder, or give a new or empty folder with --path")
-    api = connect()
+    # the download is written beside the folder, then moved into its place
+    writable = next(folder for folder in destination.parents if folder.exists())
+    if not os.access(writable, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write in {writable}: the download is written there beside {destination.name}, "
+                          "then moved into its place", str(destination),
+                          f"give yourself write access to {writable}, or give a --path in a folder you can write")
+    previous = destination.is_dir() and any(not is_litter(p) for p in destination.rglob("*"))
+    api = connect(waiting.request_timeout_s)
     counted: list[int] = []
 
     def fill(folder: Path) -> None:
-        counted.append(download_outputs(api, bundle.kernel_id, folder, log_name, pattern_re))
+        count, listed = download_outputs(api, bundle.kernel_id, folder, log_name, pattern_re)
+        if not listed:
+            if previous:
+                raise KaggleError(f"Kaggle lists no output files for the kernel {bundle.kernel_id}: the previous "
+                                  f"download in {destination} is kept", bundle.kernel_id,
+                                  "a version still queued or running has none yet: ask `ptbr kaggle status "
+                                  f"{bundle.path}`, and fetch the outputs once it has ended")
+            log(f"warning: Kaggle lists no output files for the kernel {bundle.kernel_id} (a version still queued or "
+                f"running has none yet: ptbr kaggle status {bundle.path}); only its log is written")
+        counted.append(count)
         written = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
         write_json(folder / DOWNLOADED, {"kernel": bundle.kernel_id, "files": written})
 
@@ -442,15 +552,15 @@ def not_downloaded(folder: Path, log_name: str) -> list[str]:
 SUMMARIZED = (RUN_MARKER, f"{RUN_DIR}/preflight_report.json", f"{RUN_DIR}/training_summary.json")
 
 
-def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> int:
+def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> tuple[int, int]:
     """Each file Kaggle lists for the kernel's newest version (those `pattern` matches, and the
     SUMMARIZED ones), checked (an error page is not saved as an output, a name cannot leave
-    `folder`), then its log."""
+    `folder`), then its log. Returns how many files were downloaded, and how many Kaggle listed."""
     import requests
     from kaggle.api.kaggle_api_extended import ApiListKernelSessionOutputRequest
 
     owner, slug = kernel.split("/")
-    count, token, log_text = 0, None, None
+    count, listed, token, log_text = 0, 0, None, None
     while True:
         request = ApiListKernelSessionOutputRequest()
         request.user_name, request.kernel_slug, request.page_size = owner, slug, 100
@@ -460,6 +570,7 @@ def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> 
             response = call(api, f"list the outputs of the kernel {kernel}",
                             client.kernels.kernels_api_client.list_kernel_session_output, request)
         log_text = log_text if log_text is not None else response.log
+        listed += len(response.files or [])
         for item in response.files or []:
             if pattern is not None and not pattern.search(item.file_name) and item.file_name not in SUMMARIZED:
                 continue
@@ -478,7 +589,7 @@ def download_outputs(api, kernel: str, folder: Path, log_name: str, pattern) -> 
         if not token:
             break
     (folder / log_name).write_text(log_text or "", encoding="utf-8")
-    return count
+    return count, listed
 
 
 def summarize(folder: Path) -> None:

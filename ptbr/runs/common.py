@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import shutil
 import time
 import traceback
@@ -170,10 +171,13 @@ def open_run(settings, world: World | None = None) -> Iterator[Path]:
     except BaseException as exc:
         if "log" in held and not isinstance(exc, SystemExit):
             # the line the CLI prints, fix included (not a crash where another rank's process went away)
-            by_another = world.stopped_by_another(exc, settings.command)
-            to_file_only(held["log"], interrupted(exc, settings.command).one_line() if isinstance(exc, KeyboardInterrupt)
-                         else by_another.one_line() if by_another is not None
-                         else error_line(exc, "crash_report.txt in this directory"))
+            if isinstance(exc, KeyboardInterrupt):
+                line = interrupted(exc, settings.command).one_line()
+            else:
+                by_another = world.stopped_by_another(exc, settings.command)
+                line = (by_another.one_line() if by_another is not None
+                        else error_line(exc, "crash_report.txt in this directory"))
+            to_file_only(held["log"], line)
         # a user's error (bad data, a checkpoint refused) or a stop before the run trained: the
         # directory this run made holds only its log, lock and run_config.json (bad validation data
         # is found after it is written), and would read as a run that started.
@@ -255,12 +259,14 @@ def out_of_memory_is_an_error(backend) -> Iterator[None]:
 def plan_host_memory(predicted: int | None, backend, settings) -> None:
     """A torch run on a CPU, once its predicted peak (the runtime and the weights included) is known,
     against what this process holds now and the memory still free (RAM available, a container's
-    memory limit where it has one; ptbr/ram.py):
+    memory limit where it has one; ptbr/ram.py). A data-parallel run's processes on this machine
+    (LOCAL_WORLD_SIZE) each reach that peak, from the same RAM: each counts what all of them still
+    need (every one as far along as this one: the others' memory held so far is in use already).
 
     - The run is refused (exit 5) where the peak needs more than that and free swap: out of memory,
-      the kernel kills it, no line, exit 137, a run directory that looks dead. Not with --auto-fit
-      (it picks a micro-batch that fits), not for several processes, not on MLX (macOS's unified
-      memory compresses and purges: "available" says little there).
+      the kernel kills it (or one process of several), no line, exit 137, a run directory that
+      looks dead. Not with --auto-fit (it picks a micro-batch that fits; one process only), not on
+      MLX (macOS's unified memory compresses and purges: "available" says little there).
     - The speed lever of keeping freed memory (backends/torch/allocator.py) is set only where the
       peak times FREED_MEMORY_HELD still fits, without swap: glibc's heap grows with what
       micro-batches free and ask for in other sizes (`tiny` at 64 x 256, fp32: 1.16x the predicted
@@ -272,24 +278,45 @@ def plan_host_memory(predicted: int | None, backend, settings) -> None:
         from ptbr.ram import ram
 
         held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
+        processes = processes_on_this_machine(backend.world)
         memory = ram()
-        if not settings.auto_fit and backend.world.size == 1:
+        if not settings.auto_fit:
             free = memory.free_with_swap()
-            if predicted - held > free:
-                more = (predicted - held) / 2**30
+            if processes * (predicted - held) > free:
+                more = processes * (predicted - held) / 2**30
                 what = f"under {memory.where()} ({memory.limit / 2**30:.1f} GiB)" if memory.limit else "(RAM and swap)"
-                raise DeviceError(f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {more:.1f} "
-                                  f"GiB more than this process holds, and {free / 2**30:.1f} GiB is free {what}: "
-                                  "the kernel would kill the run", f"--batch-size {settings.batch_size}",
-                                  OUT_OF_MEMORY_FIX)
-        if predicted * FREED_MEMORY_HELD - held > memory.available:
+                if processes == 1:
+                    said = (f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {more:.1f} GiB "
+                            "more than this process holds")
+                    fix = OUT_OF_MEMORY_FIX
+                else:
+                    said = (f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB in each of the "
+                            f"{processes} processes on this machine, {more:.1f} GiB more than they hold")
+                    fewer = "1" if processes == 2 else f"{processes - 1} or fewer"
+                    fix = (f"run fewer processes (--num-processes {fewer}: on a CPU they share its cores and "
+                           "RAM), or lower --batch-size (raising --grad-accum), or turn on --gradient-checkpointing")
+                raise DeviceError(f"{said}, and {free / 2**30:.1f} GiB is free {what}: the kernel would kill "
+                                  "the run", f"--batch-size {settings.batch_size}", fix)
+        if processes * (predicted * FREED_MEMORY_HELD - held) > memory.available:
+            each = " in each of its processes" if processes > 1 else ""
             log(f"glibc's malloc returns what steps free: keeping it (faster steps on a CPU) can hold "
-                f"{FREED_MEMORY_HELD:.1f}x the predicted peak of {predicted / 2**30:.1f} GiB, more than the "
-                f"{memory.available / 2**30:.1f} GiB of {memory.where()} available")
+                f"{FREED_MEMORY_HELD:.1f}x the predicted peak of {predicted / 2**30:.1f} GiB{each}, more than "
+                f"the {memory.available / 2**30:.1f} GiB of {memory.where()} available")
             return
     said = backend.keep_freed_memory()
     if said:
         log(said)
+
+
+def processes_on_this_machine(world: World) -> int:
+    """How many of a run's processes share this machine's RAM: the launcher's LOCAL_WORLD_SIZE
+    (torchrun, accelerate and `ptbr train --num-processes` set it), else every process."""
+    if world.size == 1:
+        return 1
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world.size)))
+    except ValueError:
+        return world.size
 
 
 def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:
@@ -609,8 +636,10 @@ def write_run_config(run_dir: Path, command: str, settings, backend, resume: Res
     }, "run_config.json")
 
 
-def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict, result: str) -> dict:
-    """training_summary.json (the run's numbers and `extra`), the run's report, and the last log line."""
+def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict, result: str,
+           report: bool = True) -> dict:
+    """training_summary.json (the run's numbers and `extra`), the run's report (unless `report` is
+    False: `ptbr smoke`'s check run), and the last log line."""
     summary = {
         "steps": state.step,
         "tokens_seen": state.tokens_seen,
@@ -623,7 +652,8 @@ def finish(run_dir: Path, state: LoopState, session_started: float, extra: dict,
         **extra,
     }
     write_json(run_dir / "training_summary.json", summary, "training_summary.json")
-    write_run_report(run_dir)
+    if report:
+        write_run_report(run_dir)
     line = f"done: {state.step} step{'s' if state.step != 1 else ''}"
     if summary["final_loss"] is not None:
         line += f", final loss {summary['final_loss']:.4f}"

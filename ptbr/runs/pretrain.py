@@ -44,8 +44,9 @@ from ptbr.train.schedule import Schedule
 from ptbr.train.watchdog import Watchdog
 
 
-def run_pretrain(settings: PretrainConfig) -> dict:
-    """Pretrain a preset from scratch (or resume); returns training_summary.json's contents."""
+def run_pretrain(settings: PretrainConfig, report: bool = True) -> dict:
+    """Pretrain a preset from scratch (or resume); returns training_summary.json's contents. `report`:
+    write report.md and plots/ at the end (`ptbr smoke`, a check whose run is not kept, does not)."""
     # on a CPU that computes bf16 natively, --precision auto pretrains in bf16 autocast
     backend = create_backend(settings.backend, settings.device, settings.precision, pretraining=True)
     refuse_auto_fit_in_parallel(settings, backend.world)
@@ -55,10 +56,11 @@ def run_pretrain(settings: PretrainConfig) -> dict:
             Watchdog(run_dir, settings.hang_timeout, settings.hang_action, backend.memory_report,
                      backend.world.rank, backend.world.size) as watchdog:
         if settings.auto_fit:  # an out-of-memory mid-run: smaller micro-batch, from the last checkpoint
-            summary = resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog), settings, run_dir)
+            summary = resume_smaller_on_oom(backend, lambda s: _run(s, backend, run_dir, watchdog, report), settings,
+                                            run_dir)
         else:
             with out_of_memory_is_an_error(backend):
-                summary = _run(settings, backend, run_dir, watchdog)
+                summary = _run(settings, backend, run_dir, watchdog, report)
     return summary
 
 
@@ -70,7 +72,7 @@ def identity(settings: PretrainConfig, dataset: TokenDataset, backend) -> dict:
             "effective_batch": effective_batch(settings, backend.world)}
 
 
-def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -> dict:
+def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog, report: bool) -> dict:
     data_dir = settings.data or SAMPLE_DIR
     if settings.data is None:
         log(f"no --data given: training on the bundled PT-BR sample ({SAMPLE_DIR})")
@@ -153,7 +155,7 @@ def _run(settings: PretrainConfig, backend, run_dir: Path, watchdog: Watchdog) -
     def write_results() -> dict:
         final = write_directory(run_dir / "final", fill, "the final model")
         return finish(run_dir, state, started, {"parameters": n_params, "final_model": str(final),
-                                                 "backend": backend.name}, f"model in {final}")
+                                                 "backend": backend.name}, f"model in {final}", report)
 
     return world.decide(write_results)
 

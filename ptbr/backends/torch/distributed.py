@@ -23,6 +23,7 @@ from typing import TypeVar
 from ptbr.backends.world import shared
 from ptbr.cpus import usable_cpus
 from ptbr.errors import EXIT_CODES, DeviceError, Interrupted, PtbrError
+from ptbr.files import write_text
 from ptbr.lock import held_if_free
 from ptbr.log import attach_run_log, detach, to_file_only
 
@@ -374,6 +375,8 @@ def _say_why_a_rank_failed(failures: dict, processes: int, logs: Path, run_id: s
     # this launch's logs (LOGS/RUN_ID_*/attempt_0/RANK/), not an earlier session's
     where = next(iter(sorted(logs.glob(f"{run_id}*/attempt_*/{rank}/stderr.log"))), None) if rank else None
     line = _why_a_rank_stopped(rank, processes, failure.exitcode, where, logs)
+    if rank and failure.exitcode == 1 and CRASH_REPORT in line:  # a crash of this rank's: its report says so
+        _name_the_rank_in(logs.parent / CRASH_REPORT, rank, processes)
     print(line, file=sys.stderr, flush=True)
     _add_to_the_run_log(logs.parent, line)
     return code
@@ -381,17 +384,24 @@ def _say_why_a_rank_failed(failures: dict, processes: int, logs: Path, run_id: s
 
 # signals that end a process from inside: a crash in native code (faulthandler prints every stack)
 CRASH_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
+# what a rank's unexpected exception leaves in the run directory (ptbr/crash.py)
+CRASH_REPORT = "crash_report.txt"
 
 
 def _why_a_rank_stopped(rank: int, processes: int, exit_code: int, log_file: Path | None, logs: Path) -> str:
-    """One line for a rank that failed: the last error line it printed to its log, or what a signal
-    that killed it usually means (a negative exit code: it had no chance to say anything)."""
+    """One line for a rank that failed: the last error line it printed to its log, after its rank
+    (`error: rank 1 of 2: ...`: the line alone named no rank), or what a signal that killed it
+    usually means (a negative exit code: it had no chance to say anything)."""
     where = str(log_file or (logs if rank else "rank 0's output above"))
     if exit_code >= 0:
         said = [line for line in (log_file.read_text(errors="replace").splitlines() if log_file else [])
                 if line.startswith("error: ")]
-        return said[-1] if said else PtbrError(f"rank {rank} of {processes} stopped with exit code {exit_code}",
-                                               where, "its log names the problem").one_line()
+        if said and not said[-1].startswith(f"error: rank {rank} of {processes}"):
+            return said[-1].replace("error: ", f"error: rank {rank} of {processes}: ", 1)
+        if said:
+            return said[-1]
+        return PtbrError(f"rank {rank} of {processes} stopped with exit code {exit_code}", where,
+                         "its log names the problem").one_line()
     try:
         name = signal.Signals(-exit_code).name
     except ValueError:
@@ -407,6 +417,18 @@ def _why_a_rank_stopped(rank: int, processes: int, exit_code: int, log_file: Pat
     else:
         fix = "run the same command again to resume from the last checkpoint"
     return PtbrError(what, where, fix).one_line()
+
+
+def _name_the_rank_in(report: Path, rank: int, processes: int) -> None:
+    """The crash report a rank other than 0 wrote: its first line says which rank it is from (the
+    ranks share the run directory, and the report itself names none)."""
+    try:
+        text = report.read_text(encoding="utf-8")
+        if text.startswith("ptbr crash report,"):
+            write_text(report, text.replace("ptbr crash report,", f"ptbr crash report of rank {rank} of {processes},",
+                                            1), CRASH_REPORT)
+    except (OSError, PtbrError):  # unreadable, or a full disk: the report stays as the rank wrote it
+        pass
 
 
 def _add_to_the_run_log(run_dir: Path, line: str) -> None:

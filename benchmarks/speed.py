@@ -97,18 +97,19 @@ def run_worker(kind: str, spec: dict) -> dict:
     return result | {"first_step_s": first_step, "wall_s": time.perf_counter() - started}
 
 
-# contenders run at once: 1 (one at a time) whenever anything is timed; --quick, which only checks
-# that every contender runs, runs two side by side (its numbers then say nothing)
-SIDE_BY_SIDE = {"quick": 2, "timed": 1}
-JOBS = SIDE_BY_SIDE["timed"]
+def side_by_side(args) -> int:
+    """Contenders run at once: one at a time whenever anything is timed; --quick, which only checks
+    that every contender runs, runs two side by side (its numbers then say nothing)."""
+    return 2 if args.quick else 1
 
 
 def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int, optional: frozenset = frozenset(),
-                failed: dict[str, str] | None = None) -> dict[str, list[dict]]:
+                failed: dict[str, str] | None = None, jobs: int = 1) -> dict[str, list[dict]]:
     """Every contender once per round, in a rotating order, so that none always runs first. A
     contender named in `optional` that fails is left out from then on, its earlier rounds too (why,
     in `failed`), instead of ending the section: a reference setting that may not run everywhere.
-    With JOBS above 1 (--quick) a round's contenders run JOBS at a time."""
+    With `jobs` above 1 (--quick) a round's contenders run that many at a time, and a failure ends
+    the section once the round's running contenders are done."""
     from concurrent.futures import ThreadPoolExecutor
 
     runs: dict[str, list[dict]] = {name: [] for name in contenders}
@@ -120,11 +121,15 @@ def interleaved(contenders: dict[str, tuple[str, dict]], rounds: int, optional: 
             kind, spec = contenders[name]
             return run_worker(kind, dict(spec, output=str(Path(spec["output"]) / f"{name}-{round_index}")))
 
-        with ThreadPoolExecutor(JOBS) as pool:
-            started = [(name, pool.submit(start, name)) for name in order]
-        for name, done in started:
+        if jobs > 1:
+            with ThreadPoolExecutor(jobs) as pool:
+                futures = [(name, pool.submit(start, name)) for name in order]
+            outcomes = ((name, future.result) for name, future in futures)
+        else:  # one at a time: a failure ends the section at once
+            outcomes = ((name, lambda name=name: start(name)) for name in order)
+        for name, outcome in outcomes:
             try:
-                runs[name].append(done.result())
+                runs[name].append(outcome())
             except RuntimeError as error:
                 if name not in optional:
                     raise
@@ -257,7 +262,7 @@ def pretrain_section(args, work: Path) -> list[dict]:
             contenders |= {"ptbr_default": ("ptbr-pretrain", dict(spec, flags=["--precision", "auto"])),
                            "hf_trainer_bf16": ("hf-pretrain", dict(spec, precision="bf16"))}
         failed: dict[str, str] = {}
-        runs = interleaved(contenders, args.rounds, frozenset(OPTIONAL_REFERENCES), failed)
+        runs = interleaved(contenders, args.rounds, frozenset(OPTIONAL_REFERENCES), failed, side_by_side(args))
         tokens = batch_size * seq_len
         step = {name: [statistics.median(r["step_s"]) for r in rs] for name, rs in runs.items()}
         first = {name: [r["first_step_s"] for r in rs] for name, rs in runs.items()}
@@ -366,7 +371,7 @@ def large_vocab_section(args, work: Path) -> list[dict]:
         contenders["ptbr_compile"] = ("ptbr-pretrain", dict(spec, flags=["--compile"]))
         if not compiled_whole_logits(batch_size * seq_len, 32000, precision, args.device):
             contenders["ptbr_compile_whole"] = ("ptbr-pretrain", dict(spec, flags=["--compile", "--no-chunked-loss"]))
-    runs = interleaved(contenders, args.rounds)
+    runs = interleaved(contenders, args.rounds, jobs=side_by_side(args))
     tokens = batch_size * seq_len
     command = pretrain_command(size, batch_size, seq_len, args.device, precision, True)
     name = f"pretrain {size}, 32k vocabulary (batch {batch_size} x {seq_len}, {precision})"
@@ -393,7 +398,8 @@ def large_vocab_85m_rows(args, work: Path, data: Path) -> list[dict]:
     spec = pretrain_spec(args, size, batch_size, seq_len, precision, work / "vocab32k-85m", data)
     print(f"pretraining {size} at a 32k vocabulary: batch {batch_size} x seq_len {seq_len}, {precision}", flush=True)
     runs = interleaved({"ptbr": ("ptbr-pretrain", spec), "hf_trainer": ("hf-pretrain", spec),
-                        "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds)
+                        "ptbr_whole": ("ptbr-pretrain", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds,
+                       jobs=side_by_side(args))
     command = pretrain_command(size, batch_size, seq_len, args.device, precision, True)
     return speed_and_memory_rows("pretrain", f"pretrain {size}, 32k vocabulary (batch {batch_size} x {seq_len}, "
                                  f"{precision})", command, args.device, runs, batch_size * seq_len, "ptbr",
@@ -478,7 +484,8 @@ def finetune_section(args, work: Path) -> list[dict]:
                 "max_seq_len": max_seq_len, "device": args.device, "precision": precision, "warmup": args.warmup,
                 "steps": args.steps, "output": str(work / quant)}
         print(f"fine-tuning, {label}: batch {batch_size}, ~{mean_tokens:.0f} tokens per example", flush=True)
-        runs = interleaved({"ptbr": ("ptbr-finetune", spec), "hf_peft": ("hf-finetune", spec)}, args.rounds)
+        runs = interleaved({"ptbr": ("ptbr-finetune", spec), "hf_peft": ("hf-finetune", spec)}, args.rounds,
+                           jobs=side_by_side(args))
         step, memory = steps_and_peaks(runs)
         tokens = batch_size * mean_tokens
         command = (f"ptbr finetune --base BASE --data train.jsonl --quant {quant} --lora-r 16 "
@@ -510,7 +517,8 @@ def large_vocab_finetune_section(args, work: Path) -> list[dict]:
     print(f"fine-tuning, QLoRA 4-bit at a 32k vocabulary: batch {batch_size}, ~{mean_tokens:.0f} tokens per example",
           flush=True)
     runs = interleaved({"ptbr": ("ptbr-finetune", spec), "hf_peft": ("hf-finetune", spec),
-                        "ptbr_whole": ("ptbr-finetune", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds)
+                        "ptbr_whole": ("ptbr-finetune", dict(spec, flags=["--no-chunked-loss"]))}, args.rounds,
+                       jobs=side_by_side(args))
     command = (f"ptbr finetune --base BASE --data train.jsonl --quant 4bit --lora-r 16 --batch-size {batch_size} "
                f"--device {args.device} --precision {precision}")
     name = f"QLoRA 4-bit fine-tuning, 32k vocabulary (Mistral-shaped, batch {batch_size}, {precision})"
@@ -550,7 +558,8 @@ def data_section(args, work: Path) -> list[dict]:
     megabytes = corpus.stat().st_size / 1e6
     spec = {"input": str(corpus), "tokenizer": str(SAMPLE_DIR / "tokenizer.json"), "output": str(work / "out")}
     print(f"data preparation: {megabytes:.1f} MB of text", flush=True)
-    runs = interleaved({"ptbr": ("ptbr-prepare", spec), "tokenizers": ("tokenizers-prepare", spec)}, args.rounds)
+    runs = interleaved({"ptbr": ("ptbr-prepare", spec), "tokenizers": ("tokenizers-prepare", spec)}, args.rounds,
+                       jobs=side_by_side(args))
     seconds = {name: [r["seconds"] for r in rs] for name, rs in runs.items()}
     return [row("data", f"text to tokens ({megabytes:.0f} MB, bundled tokenizer)", "MB/s", "MB/s",
                 "tokenizers directly", megabytes / statistics.median(seconds["tokenizers"]),
@@ -706,8 +715,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.argv = sys.argv[1:] if argv is None else list(argv)  # what reproduces this run
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 2
-    global JOBS
-    JOBS = SIDE_BY_SIDE["quick" if args.quick else "timed"]
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -11,7 +11,9 @@ kernel's log names the stage:
                its run under /kaggle/input, read-only: its files are copied to /kaggle/working/run,
                where `--resume auto` continues from its newest intact checkpoint. First, before
                any stage that can fail: a version that fails later still leaves the run in its
-               output (with ptbr-kaggle-run.json), so the next version resumes from it.
+               output (with ptbr-kaggle-run.json), so the next version resumes from it. The copy
+               goes to a folder beside run/ that becomes run/ (one rename) once complete: run/ is
+               the whole run or absent, never part of it.
   bundle       the bundle dataset, found by its marker file ptbr-bundle.json anywhere under
                /kaggle/input (older sessions mount a dataset at /kaggle/input/SLUG, newer ones at
                /kaggle/input/datasets/OWNER/SLUG); every file's size checked, every wheel's sha256.
@@ -28,7 +30,9 @@ kernel's log names the stage:
   outputs      /kaggle/working/ptbr-kaggle-run.json: what ran and how it ended (the next version
                finds the run by this file). Written as soon as the resume stage is done, and at the
                end whatever happened: a SIGTERM/SIGINT at any other stage stops the kernel (exit 130)
-               with the record written.
+               with the record written. Stopped (or failed) before its resume stage was done, a
+               version leaves no run/ and a record the next version does not resume from: the run is
+               still in the output of the version before.
 
 Every path is rooted at $KAGGLE_ROOT (default /kaggle), so the tests run this file on any machine.
 """
@@ -100,8 +104,9 @@ def main() -> int:
     record: dict = {"bundle": BUNDLE_ID or None, "stages": {}, "started": _now()}
     stage = "environment"
     code = 1
+    run_dir = working / RUN_DIR
     # Kaggle ends a session with a signal: at any stage the record is still written (`finally` below),
-    # so that the next version finds the run copied so far
+    # saying how far this version got (before its resume stage was done: no run for the next version)
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         log(f"{stage}: {describe_environment()}")
@@ -109,8 +114,8 @@ def main() -> int:
 
         # before any stage that can fail: whatever happens next, this version's output holds the run
         stage = "resume"
-        run_dir = working / RUN_DIR
         record["resumed_from"] = restore_previous_run(inputs, BUNDLE_ID, run_dir, working)
+        record["had_run"] = holds_something(run_dir)  # False: nothing for the next version to lose
         record["stages"][stage] = "ok"
         write_record(working, record)  # a session killed outright (SIGKILL) still leaves the run findable
 
@@ -174,8 +179,17 @@ def main() -> int:
     except Stopped as stopped:
         record["stages"][stage] = "stopped"
         record["failure"] = f"stopped by {stopped} at stage {stage}"
-        log(f"stopped by {stopped} at stage {stage} (the session ended?); what the resume stage copied is in "
-            f"{working / RUN_DIR}, for the next version to resume from")
+        if stage == "resume" and holds_something(run_dir):  # put in place whole (one rename) before the stop
+            record["stages"][stage], record["had_run"] = "ok", True
+        if record["stages"].get("resume") != "ok":
+            where = ("before the resume stage had copied the previous version's run whole: the next version does "
+                     f"not resume from this output ({RUN_MARKER} says so); the run is still in the output of the "
+                     "version before, if there was one")
+        elif holds_something(run_dir):
+            where = f"the run is in {run_dir}, for the next version to resume from"
+        else:
+            where = f"{run_dir} holds no run: this version had none to resume"
+        log(f"stopped by {stopped} at stage {stage} (the session ended?); {where}")
         code = EXIT_INTERRUPTED
     except StageFailed as failure:
         record["stages"][stage] = "failed"
@@ -353,26 +367,50 @@ def restore_previous_run(inputs: Path, bundle_id: str, run_dir: Path, working: P
     /kaggle/input, naming the bundle `bundle_id`; empty: any) into run_dir, which must be writable:
     /kaggle/input is read-only. Files are copied without their permission bits, which may be
     read-only there. It runs before the bundle is looked at, so that a version failing at any later
-    stage still leaves the run in its output for the next one."""
-    previous = []
+    stage still leaves the run in its output for the next one. The files go to a folder beside
+    run_dir, renamed to run_dir once all are there: a version stopped while copying leaves no run_dir
+    (and a record that says so, which the next version does not resume from)."""
+    previous, cut_short, untrained = [], [], []
     for marker in find_markers(inputs, RUN_MARKER):
         try:
             record = json.loads(marker.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if (not bundle_id or record.get("bundle") == bundle_id) and (marker.parent / RUN_DIR).is_dir():
+        if not isinstance(record, dict) or bundle_id and record.get("bundle") != bundle_id:
+            continue
+        ended = ended_before_resuming(record)
+        if ended:
+            log(f"resume: not resuming from {marker.parent}: that version {ended}")
+            cut_short.append((marker.parent, ended))
+        elif (marker.parent / RUN_DIR).is_dir():
             previous.append(marker.parent / RUN_DIR)
+        elif ended_before_training(record):
+            untrained.append((marker.parent, ended_before_training(record)))
     if not previous:
         of = f" of {bundle_id}" if bundle_id else ""
+        if EXPECT_PREVIOUS and cut_short:
+            folder, ended = cut_short[0]
+            raise StageFailed(f"the previous version's output attached at {folder} holds no run to resume from: "
+                              f"that version {ended}, so the run is still in the output of an earlier version "
+                              f"(the last one whose resume stage was done): attach that output (its {RUN_MARKER} "
+                              f"and {RUN_DIR}/ are found anywhere under {inputs}) and push again, or bundle again "
+                              "without --resume-from-previous to start the run over")
+        if EXPECT_PREVIOUS and untrained:  # no run ever: nothing to lose by starting over
+            folder, ended = untrained[0]
+            log(f"resume: the previous version ({folder}) {ended} before any training: starting the run over")
+            return None
         if EXPECT_PREVIOUS:
             raise StageFailed(f"the previous version's output was attached to resume from, but no {RUN_MARKER}"
                               f"{of} with its run/ is under {inputs}: Kaggle did not mount it, or that version "
                               "left none; look at its output (ptbr kaggle output), then push again")
-        log("resume: no previous version's output is attached (the first version, a bundle made without "
-            "--resume-from-previous, or the last version left none): starting a new run")
+        if cut_short:
+            log("resume: no previous version's output attached holds a run to resume from: starting a new run")
+        else:
+            log("resume: no previous version's output is attached (the first version, a bundle made without "
+                "--resume-from-previous, or the last version left none): starting a new run")
         return None
     source = previous[0]
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if holds_something(run_dir):
         log(f"resume: {run_dir} already holds a run: continuing it, not {source}")
         return None
     files = [p for p in sorted(source.rglob("*")) if p.is_file() and not _not_carried(p.relative_to(source))]
@@ -381,13 +419,50 @@ def restore_previous_run(inputs: Path, bundle_id: str, run_dir: Path, working: P
     if size > free:
         raise StageFailed(f"the previous run at {source} holds {size / 1e9:.1f} GB, more than the "
                           f"{free / 1e9:.1f} GB free in {working}: bundle with a smaller keep_last")
-    for path in files:
-        target = run_dir / path.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
+    copying = run_dir.with_name(f".tmp-{run_dir.name}")  # a .tmp- name: never carried on, nor taken for a run
+    shutil.rmtree(copying, ignore_errors=True)  # a copy a killed session left
+    try:
+        for path in files:
+            target = copying / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+        copying.mkdir(parents=True, exist_ok=True)  # a run of no files is still one
+        if run_dir.exists():
+            run_dir.rmdir()  # empty (a run in it is continued above)
+        os.replace(copying, run_dir)
+    except BaseException:  # a stop (Stopped), a full disk: no part of the run is left to be taken for it
+        shutil.rmtree(copying, ignore_errors=True)
+        raise
     log(f"resume: copied the previous version's run from {source} to {run_dir} ({len(files)} files, "
         f"{size / 1e9:.2f} GB); training continues from its newest intact checkpoint")
     return str(source)
+
+
+def ended_before_resuming(record: dict) -> str | None:
+    """How the version that wrote `record` ended, where that was before its resume stage was done
+    (stopped or failed at its environment or resume stage): its output holds no run whole to resume
+    from. None for any other record (one written before the kernel had these stages included)."""
+    stages = record.get("stages")
+    if not isinstance(stages, dict) or "environment" not in stages or stages.get("resume") == "ok":
+        return None
+    where = next((name for name, state in stages.items() if state != "ok"), "resume")
+    return f"ended before its resume stage was done ({stages.get(where, 'ended')} at stage {where})"
+
+
+def ended_before_training(record: dict) -> str | None:
+    """Where the version that wrote `record` ended, where it had no run to resume (`had_run` false)
+    and ended before its train stage: its output holds no run/, and none was ever lost. None for any
+    other record (one that had a run, or trained, and left no run/ lost it: that is an error)."""
+    stages = record.get("stages")
+    if (not isinstance(stages, dict) or record.get("had_run") is not False or stages.get("resume") != "ok"
+            or "train" in stages):
+        return None
+    where = next((name for name, state in stages.items() if state != "ok"), None)
+    return f"ended at stage {where} ({stages[where]})" if where else f"ended after stage {list(stages)[-1]}"
+
+
+def holds_something(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
 
 
 def _not_carried(relative: Path) -> bool:

@@ -1082,6 +1082,152 @@ def test_a_kernel_stopped_before_training_leaves_the_run_for_the_next_version(tm
     unlock(tmp_path / "second" / "input")
 
 
+@pytest.mark.parametrize("stage", ["environment", "resume"])
+def test_a_kernel_stopped_before_its_run_is_copied_whole_leaves_none_for_the_next_version(tmp_path, monkeypatch,
+                                                                                          capsys, stage):
+    """A SIGTERM while the resume stage copied the previous version's run left the record beside the
+    part copied so far (a checkpoint's weights without its state): the next version took it for the
+    run, `--resume auto` found no intact checkpoint and started from step 0, the earlier sessions
+    lost without a word. The copy now becomes run/ only whole, and the record of a version stopped
+    before its resume stage was done is no run to resume from: the next version resumes from the
+    version before where that is attached too, and otherwise fails saying what to do."""
+    previous = previous_output(tmp_path / "previous")
+    root = tmp_path / "first"
+    attach(previous, root / "input" / f"{SLUG}-output")
+    working = root / "working"
+    monkeypatch.setenv("KAGGLE_ROOT", str(root))
+    monkeypatch.setattr(KERNEL, "BUNDLE_ID", KERNEL_ID)
+    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    copyfile, copied = shutil.copyfile, []
+
+    def session_ends() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    def copy(source, target, *args, **kwargs):  # the session ends once the first file is copied
+        copied.append(source)
+        if len(copied) == 2:
+            session_ends()
+        return copyfile(source, target, *args, **kwargs)
+
+    if stage == "environment":
+        monkeypatch.setattr(KERNEL, "describe_environment", session_ends)
+    monkeypatch.setattr(KERNEL.shutil, "copyfile", copy)
+    capsys.readouterr()
+    assert KERNEL.main() == 130
+    monkeypatch.setattr(KERNEL.shutil, "copyfile", copyfile)
+    unlock(root / "input")
+    log = capsys.readouterr().out
+    assert len(copied) == (2 if stage == "resume" else 0)
+    assert [path.name for path in working.iterdir()] == [layout.RUN_MARKER]  # no part of the run, here or aside
+    record = json.loads((working / layout.RUN_MARKER).read_text())
+    assert record["stages"] == ({"environment": "ok", "resume": "stopped"} if stage == "resume" else
+                                {"environment": "stopped"})
+    assert record["failure"] == f"stopped by SIGTERM at stage {stage}" and "resumed_from" not in record
+    assert (f"stopped by SIGTERM at stage {stage} (the session ended?); before the resume stage had copied the "
+            "previous version's run whole: the next version does not resume from this output") in log
+    assert "for the next version to resume from" not in log
+    # the next version, attached only this output (Kaggle attaches the newest): fails, saying what to do
+    second = tmp_path / "second"
+    attach(working, second / "input" / f"{SLUG}-output")
+    with pytest.raises(KERNEL.StageFailed, match=(
+            f"holds no run to resume from: that version ended before its resume stage was done \\(stopped at "
+            f"stage {stage}\\), so the run is still in the output of an earlier version .* attach that output")):
+        KERNEL.restore_previous_run(second / "input", KERNEL_ID, second / "run", second)
+    assert not (second / "run").exists()
+    # with the version before attached too, it resumes from that one, whole
+    attach(previous, second / "input" / f"{SLUG}-version-before")
+    found = KERNEL.restore_previous_run(second / "input", KERNEL_ID, second / "run", second)
+    unlock(second / "input")
+    assert found == str(second / "input" / f"{SLUG}-version-before" / "run")
+    whole = {name: path.read_bytes() for name, path in files_of(previous / "run").items()
+             if not name.startswith("previous/")}
+    assert {name: path.read_bytes() for name, path in files_of(second / "run").items()} == whole
+    assert not (second / ".tmp-run").exists()
+
+
+def test_a_kernel_stopped_once_its_run_is_copied_whole_leaves_it_for_the_next_version(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """The copy is put in place by one rename: a stop right after it, still in the resume stage,
+    leaves the whole run and a record the next version resumes from."""
+    previous = previous_output(tmp_path / "previous")
+    root = tmp_path / "first"
+    attach(previous, root / "input" / f"{SLUG}-output")
+    working = root / "working"
+    monkeypatch.setenv("KAGGLE_ROOT", str(root))
+    monkeypatch.setattr(KERNEL, "BUNDLE_ID", KERNEL_ID)
+    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    log = KERNEL.log
+
+    def log_then_stop(message: str) -> None:  # the session ends as the resume stage says it copied the run
+        log(message)
+        if message.startswith("resume: copied"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+
+    monkeypatch.setattr(KERNEL, "log", log_then_stop)
+    capsys.readouterr()
+    assert KERNEL.main() == 130
+    monkeypatch.setattr(KERNEL, "log", log)
+    unlock(root / "input")
+    assert (f"stopped by SIGTERM at stage resume (the session ended?); the run is in {working / 'run'}, for the "
+            "next version to resume from") in capsys.readouterr().out
+    record = json.loads((working / layout.RUN_MARKER).read_text())
+    assert record["stages"] == {"environment": "ok", "resume": "ok"}
+    assert record["failure"] == "stopped by SIGTERM at stage resume"
+    attach(working, tmp_path / "second" / "input" / f"{SLUG}-output")
+    found = KERNEL.restore_previous_run(tmp_path / "second" / "input", KERNEL_ID, tmp_path / "second" / "run",
+                                        tmp_path / "second")
+    unlock(tmp_path / "second" / "input")
+    assert found == str(tmp_path / "second" / "input" / f"{SLUG}-output" / "run")
+    assert files_of(tmp_path / "second" / "run").keys() == files_of(previous / "run").keys() - {"previous/train.log"}
+
+
+
+@pytest.mark.parametrize("how", ["failed", "stopped"])
+def test_a_kernel_with_no_run_ended_before_training_lets_the_next_version_start_over(tmp_path, monkeypatch, capsys,
+                                                                                     how):
+    """A version with nothing to resume that failed or was stopped after its resume stage but before
+    training (a bad wheel at install) left a record and no run/: every later version pushed to resume
+    failed at its resume stage, though nothing was trained. Its record now says it had no run, and the
+    next version starts over; one whose record says it had a run, or trained, still fails."""
+    root = tmp_path / "first"
+    (root / "input" / SLUG / "wheels").mkdir(parents=True)
+    info = {"id": KERNEL_ID, "ptbr_version": "0", "mode": "pretrain", "folders": ["wheels"], "files": {}}
+    (root / "input" / SLUG / layout.BUNDLE_MARKER).write_text(json.dumps(info))
+    working = root / "working"
+    monkeypatch.setenv("KAGGLE_ROOT", str(root))
+    monkeypatch.setattr(KERNEL, "BUNDLE_ID", KERNEL_ID)
+
+    def install(wheels, info) -> None:
+        if how == "stopped":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        raise KERNEL.StageFailed("pip exited with 1")
+
+    monkeypatch.setattr(KERNEL, "install", install)
+    assert KERNEL.main() == (130 if how == "stopped" else 1)
+    assert [path.name for path in working.iterdir()] == [layout.RUN_MARKER]
+    record = json.loads((working / layout.RUN_MARKER).read_text())
+    assert record["stages"]["install"] == how and record["had_run"] is False and record["resumed_from"] is None
+    # the next version, pushed to resume from this output: starts over, saying why
+    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    second = tmp_path / "second"
+    attach(working, second / "input" / f"{SLUG}-output")
+    capsys.readouterr()
+    assert KERNEL.restore_previous_run(second / "input", KERNEL_ID, second / "run", second) is None
+    assert (f"resume: the previous version ({second / 'input' / f'{SLUG}-output'}) ended at stage install ({how}) "
+            "before any training: starting the run over") in capsys.readouterr().out
+    assert not (second / "run").exists()
+    unlock(second / "input")
+    # a version that had a run, or trained, and left no run/: the run is lost, which is an error
+    for n, changed in enumerate(({"had_run": True}, {"stages": {**record["stages"], "train": "running"}})):
+        third = tmp_path / f"third-{n}"
+        (third / "output").mkdir(parents=True)
+        (third / "output" / layout.RUN_MARKER).write_text(json.dumps({**record, **changed}))
+        with pytest.raises(KERNEL.StageFailed, match="no ptbr-kaggle-run.json of .* with its run/ is under"):
+            KERNEL.restore_previous_run(third / "output", KERNEL_ID, third / "run", third)
+
 # --- the kernel, run here ------------------------------------------------------------------------------------
 
 

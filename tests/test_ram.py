@@ -138,7 +138,7 @@ def test_a_data_parallel_cpu_run_counts_every_process_on_the_machine(monkeypatch
     a peak that fits once but not twice was let through, and the kernel killed a rank (exit 137)."""
     from types import SimpleNamespace
 
-    from ptbr.backends.torch.distributed import TorchWorld
+    from ptbr.backends.world import SingleProcess
     from ptbr.errors import DeviceError
     from ptbr.runs.common import plan_host_memory
 
@@ -152,7 +152,10 @@ def test_a_data_parallel_cpu_run_counts_every_process_on_the_machine(monkeypatch
     settings = SimpleNamespace(auto_fit=False, batch_size=8)
     peak = held + int(1.5 * GIB)  # 1.5 GiB more than held: one process fits in 2 GiB, two do not
 
-    backend.world = TorchWorld(rank=0, size=2, local_rank=0)
+    class MainOfTwo(SingleProcess):  # rank 0 of 2 whose collectives answer themselves: it decides for both
+        size = 2
+
+    backend.world = MainOfTwo()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(DeviceError) as refused:
         plan_host_memory(peak, backend, settings)
@@ -163,6 +166,6 @@ def test_a_data_parallel_cpu_run_counts_every_process_on_the_machine(monkeypatch
     # two machines of one process each (torchrun --nnodes 2): each has its own RAM
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     plan_host_memory(peak, backend, settings)
-    backend.world = SimpleNamespace(size=1)  # one process: the same peak fits
+    backend.world = SingleProcess()  # one process: the same peak fits
     plan_host_memory(peak, backend, settings)
     assert kept == []  # 1.5x the peak of 1.5 GiB more does not fit in 2 GiB: freed memory goes back

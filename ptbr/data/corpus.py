@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ _PIECE_END = re.compile(r"(?s).*\S(?= )")
 # one is that encoding, not UTF-8 (UTF-8's own mark is skipped as text is read)
 _BYTE_ORDER_MARKS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
                      (b"\xfe\xff", "UTF-16"))
+# The least a file is read in at a time (bytes).
+READ_BLOCK = 64 * 1024
 # How much of a file's start is looked at for UTF-16 written without its byte-order mark.
 _HEAD_BYTES = 4096
 
@@ -76,8 +79,15 @@ def iter_documents(path: Path, on_read: Callable[[int], None] | None = None) -> 
             yield from _iter_txt(path, on_read)
     except UnicodeDecodeError:
         line, byte = _first_invalid_utf8(path)
+        # Portuguese text that is not UTF-8 is most often Windows' Latin-1 (Windows-1252, ISO-8859-1's superset)
         raise DataError(f"file is not valid UTF-8 (line {line}, byte {byte:,} of the file)", str(path),
-                        "convert it to UTF-8") from None
+                        _conversion_fix(path, "WINDOWS-1252", " if it is Windows or Latin-1 text, as `file -i` "
+                                        "may tell")) from None
+
+
+def _conversion_fix(path: Path, encoding: str, where: str = "") -> str:
+    converted = path.with_name(f"{path.stem}.utf8{path.suffix}")
+    return f"convert it to UTF-8 (e.g. iconv -f {encoding} -t UTF-8 {path} > {converted}{where}, then give that file)"
 
 
 def _refuse_what_is_not_utf8(path: Path) -> None:
@@ -85,24 +95,27 @@ def _refuse_what_is_not_utf8(path: Path) -> None:
     characters (ASCII and Latin letters, UTF-16's first 256, have one), valid UTF-8 though no text."""
     with open(path, "rb") as f:
         head = f.read(_HEAD_BYTES)
-    converted = path.with_name(f"{path.stem}.utf8{path.suffix}")
-    fix = "convert it to UTF-8 (e.g. iconv -f {} -t UTF-8 " + f"{path} > {converted}, then give that file)"
     for mark, encoding in _BYTE_ORDER_MARKS:
         if head.startswith(mark):
-            raise DataError(f"file is {encoding} (byte-order mark), not UTF-8", str(path), fix.format(encoding))
+            raise DataError(f"file is {encoding} (byte-order mark), not UTF-8", str(path),
+                            _conversion_fix(path, encoding))
     pairs = len(head) // 2
     even, odd = head[0:2 * pairs:2].count(0), head[1:2 * pairs:2].count(0)
     for nuls, others, encoding in ((odd, even, "UTF-16LE"), (even, odd, "UTF-16BE")):
         if pairs and nuls > pairs / 2 and others <= pairs / 10:
             raise DataError(f"file is {encoding} without a byte-order mark (a NUL byte beside most characters), not "
-                            "UTF-8", str(path), fix.format(encoding))
+                            "UTF-8", str(path), _conversion_fix(path, encoding))
 
 
 def _open_text(path: Path, on_read: Callable[[int], None] | None):
     """`path` opened as open(path, encoding="utf-8-sig") does (-sig: a byte-order mark is not text),
     with `on_read` told of every block read from the file."""
     raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed with the text file wrapped around it
-    return io.TextIOWrapper(io.BufferedReader(_Counting(raw, on_read) if on_read else raw), encoding="utf-8-sig")
+    # blocks of the file system's size (large on network mounts such as Kaggle's /kaggle/input), at
+    # least READ_BLOCK: fewer reads, and fewer progress updates
+    block = max(os.fstat(raw.fileno()).st_blksize, READ_BLOCK)
+    return io.TextIOWrapper(io.BufferedReader(_Counting(raw, on_read) if on_read else raw, buffer_size=block),
+                            encoding="utf-8-sig")
 
 
 class _Counting(io.RawIOBase):

@@ -260,8 +260,9 @@ def plan_host_memory(predicted: int | None, backend, settings) -> None:
     """A torch run on a CPU, once its predicted peak (the runtime and the weights included) is known,
     against what this process holds now and the memory still free (RAM available, a container's
     memory limit where it has one; ptbr/ram.py). A data-parallel run's processes on this machine
-    (LOCAL_WORLD_SIZE) each reach that peak, from the same RAM: each counts what all of them still
-    need (every one as far along as this one: the others' memory held so far is in use already).
+    (LOCAL_WORLD_SIZE) each reach that peak, from the same RAM: once every rank is there, the main
+    rank counts what all of them still need (the others' memory held so far is in use already)
+    and decides for every rank (with several machines, its own machine stands for each).
 
     - The run is refused (exit 5) where the peak needs more than that and free swap: out of memory,
       the kernel kills it (or one process of several), no line, exit 137, a run directory that
@@ -273,39 +274,51 @@ def plan_host_memory(predicted: int | None, backend, settings) -> None:
       peak in one micro-batch, 1.52x in four; 1.76x at 128 x 256 in two; with freed blocks returned
       0.88-0.93x). Otherwise freed blocks keep going back, and the log says why."""
     if predicted is not None and backend.name == "torch" and backend.device.split(":")[0] == "cpu":
-        import psutil
-
-        from ptbr.ram import ram
-
-        held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
         processes = processes_on_this_machine(backend.world)
-        memory = ram()
-        if not settings.auto_fit:
-            free = memory.free_with_swap()
-            if processes * (predicted - held) > free:
-                more = processes * (predicted - held) / 2**30
-                what = f"under {memory.where()} ({memory.limit / 2**30:.1f} GiB)" if memory.limit else "(RAM and swap)"
-                if processes == 1:
-                    said = (f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {more:.1f} GiB "
-                            "more than this process holds")
-                    fix = OUT_OF_MEMORY_FIX
-                else:
-                    said = (f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB in each of the "
-                            f"{processes} processes on this machine, {more:.1f} GiB more than they hold")
-                    fewer = "1" if processes == 2 else f"{processes - 1} or fewer"
-                    fix = (f"run fewer processes (--num-processes {fewer}: on a CPU they share its cores and "
-                           "RAM), or lower --batch-size (raising --grad-accum), or turn on --gradient-checkpointing")
-                raise DeviceError(f"{said}, and {free / 2**30:.1f} GiB is free {what}: the kernel would kill "
-                                  "the run", f"--batch-size {settings.batch_size}", fix)
-        if processes * (predicted * FREED_MEMORY_HELD - held) > memory.available:
-            each = " in each of its processes" if processes > 1 else ""
-            log(f"glibc's malloc returns what steps free: keeping it (faster steps on a CPU) can hold "
-                f"{FREED_MEMORY_HELD:.1f}x the predicted peak of {predicted / 2**30:.1f} GiB{each}, more than "
-                f"the {memory.available / 2**30:.1f} GiB of {memory.where()} available")
+        if processes > 1:  # every rank as far along (a fine-tuning base loads at its own pace) before the read
+            backend.world.barrier()
+        # the main rank decides for all: each rank reading the memory alone could get its own answer
+        not_kept = backend.world.decide(lambda: _read_host_memory(predicted, processes, settings))
+        if not_kept:
+            log(not_kept)
             return
     said = backend.keep_freed_memory()
     if said:
         log(said)
+
+
+def _read_host_memory(predicted: int, processes: int, settings) -> str | None:
+    """plan_host_memory's reading of this machine's memory: raises DeviceError where the peak cannot
+    fit; returns why freed memory is not kept where keeping it could not fit (None where it can)."""
+    import psutil
+
+    from ptbr.ram import ram
+
+    held = psutil.Process().memory_info().rss  # the runtime, and a fine-tuning run's base already loaded
+    memory = ram()
+    if not settings.auto_fit:
+        free = memory.free_with_swap()
+        if processes * (predicted - held) > free:
+            more = processes * (predicted - held) / 2**30
+            what = f"under {memory.where()} ({memory.limit / 2**30:.1f} GiB)" if memory.limit else "(RAM and swap)"
+            if processes == 1:
+                said = (f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB, {more:.1f} GiB "
+                        "more than this process holds")
+                fix = OUT_OF_MEMORY_FIX
+            else:
+                said = (f"the memory model predicts a peak of {predicted / 2**30:.1f} GiB in each of the "
+                        f"{processes} processes on this machine, {more:.1f} GiB more than they hold")
+                fewer = "1" if processes == 2 else f"{processes - 1} or fewer"
+                fix = (f"run fewer processes (--num-processes {fewer}: on a CPU they share its cores and "
+                       "RAM), or lower --batch-size (raising --grad-accum), or turn on --gradient-checkpointing")
+            raise DeviceError(f"{said}, and {free / 2**30:.1f} GiB is free {what}: the kernel would kill "
+                              "the run", f"--batch-size {settings.batch_size}", fix)
+    if processes * (predicted * FREED_MEMORY_HELD - held) > memory.available:
+        each = " in each of its processes" if processes > 1 else ""
+        return (f"glibc's malloc returns what steps free: keeping it (faster steps on a CPU) can hold "
+                f"{FREED_MEMORY_HELD:.1f}x the predicted peak of {predicted / 2**30:.1f} GiB{each}, more than "
+                f"the {memory.available / 2**30:.1f} GiB of {memory.where()} available")
+    return None
 
 
 def processes_on_this_machine(world: World) -> int:

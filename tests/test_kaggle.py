@@ -1082,6 +1082,18 @@ def test_a_kernel_stopped_before_training_leaves_the_run_for_the_next_version(tm
     unlock(tmp_path / "second" / "input")
 
 
+def resuming_kernel(tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
+    """A kernel (KAGGLE_ROOT tmp_path/first) that expects a previous version's output, which is
+    attached: (that output, the kernel's root, its working folder)."""
+    previous = previous_output(tmp_path / "previous")
+    root = tmp_path / "first"
+    attach(previous, root / "input" / f"{SLUG}-output")
+    monkeypatch.setenv("KAGGLE_ROOT", str(root))
+    monkeypatch.setattr(KERNEL, "BUNDLE_ID", KERNEL_ID)
+    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    return previous, root, root / "working"
+
+
 @pytest.mark.parametrize("stage", ["environment", "resume"])
 def test_a_kernel_stopped_before_its_run_is_copied_whole_leaves_none_for_the_next_version(tmp_path, monkeypatch,
                                                                                           capsys, stage):
@@ -1091,13 +1103,7 @@ def test_a_kernel_stopped_before_its_run_is_copied_whole_leaves_none_for_the_nex
     lost without a word. The copy now becomes run/ only whole, and the record of a version stopped
     before its resume stage was done is no run to resume from: the next version resumes from the
     version before where that is attached too, and otherwise fails saying what to do."""
-    previous = previous_output(tmp_path / "previous")
-    root = tmp_path / "first"
-    attach(previous, root / "input" / f"{SLUG}-output")
-    working = root / "working"
-    monkeypatch.setenv("KAGGLE_ROOT", str(root))
-    monkeypatch.setattr(KERNEL, "BUNDLE_ID", KERNEL_ID)
-    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    previous, root, working = resuming_kernel(tmp_path, monkeypatch)
     copyfile, copied = shutil.copyfile, []
 
     def session_ends() -> None:
@@ -1150,13 +1156,7 @@ def test_a_kernel_stopped_once_its_run_is_copied_whole_leaves_it_for_the_next_ve
                                                                                       capsys):
     """The copy is put in place by one rename: a stop right after it, still in the resume stage,
     leaves the whole run and a record the next version resumes from."""
-    previous = previous_output(tmp_path / "previous")
-    root = tmp_path / "first"
-    attach(previous, root / "input" / f"{SLUG}-output")
-    working = root / "working"
-    monkeypatch.setenv("KAGGLE_ROOT", str(root))
-    monkeypatch.setattr(KERNEL, "BUNDLE_ID", KERNEL_ID)
-    monkeypatch.setattr(KERNEL, "EXPECT_PREVIOUS", True)
+    previous, root, working = resuming_kernel(tmp_path, monkeypatch)
     log = KERNEL.log
 
     def log_then_stop(message: str) -> None:  # the session ends as the resume stage says it copied the run

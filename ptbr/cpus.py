@@ -18,6 +18,15 @@ from pathlib import Path
 from ptbr import ram
 
 
+def processes_on_this_machine(default: int = 1) -> int:
+    """How many of a launch's processes share this machine's CPUs and RAM: the launcher's
+    LOCAL_WORLD_SIZE (torchrun, accelerate and `ptbr --num-processes` set it), else `default`."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", default)))
+    except ValueError:
+        return max(1, default)
+
+
 def usable_cpus() -> int:
     """Whole CPUs this process may keep busy: its affinity, capped by a CPU quota (rounded up)."""
     try:

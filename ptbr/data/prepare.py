@@ -141,12 +141,13 @@ def _model_config(path: Path) -> bool:
 def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: str | None, vocab_size: int,
                    val_fraction: float, show_progress: bool | None) -> dict:
     tokenizer_file = stage / "tokenizer.json"
+    total_bytes = sum(f.stat().st_size for f in files)  # what each progress bar counts up to
     if tokenizer is not None:
         shutil.copyfile(tokenizer_path, tokenizer_file)
     else:
         _log(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {len(files)} file(s)")
         # reading the text is most of the training's time; its merges are computed once all is read
-        progress = _progress(sum(f.stat().st_size for f in files), show_progress, "training the tokenizer")
+        progress = _progress(total_bytes, show_progress, "training the tokenizer")
         counted = _Counted(iter_texts(files, progress.update),
                            lambda: progress.set_postfix_str("computing the merges", refresh=True))
         try:
@@ -170,7 +171,7 @@ def _write_dataset(files: list[Path], stage: Path, tokenizer, tokenizer_path: st
     tokenizer.encode_special_tokens = True
     dtype = token_dtype(vocab)
 
-    progress = _progress(sum(f.stat().st_size for f in files), show_progress, "tokenizing")
+    progress = _progress(total_bytes, show_progress, "tokenizing")
     with _SplitWriter(stage, dtype, val_fraction) as writer:
         texts: list[str] = []
         ends: list[bool] = []

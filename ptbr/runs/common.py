@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 import shutil
 import time
 import traceback
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from ptbr.backends.world import SingleProcess, World
 from ptbr.config import default_warmup
+from ptbr.cpus import processes_on_this_machine
 from ptbr.errors import (
     EXIT_CODES,
     ConfigError,
@@ -274,7 +274,7 @@ def plan_host_memory(predicted: int | None, backend, settings) -> None:
       peak in one micro-batch, 1.52x in four; 1.76x at 128 x 256 in two; with freed blocks returned
       0.88-0.93x). Otherwise freed blocks keep going back, and the log says why."""
     if predicted is not None and backend.name == "torch" and backend.device.split(":")[0] == "cpu":
-        processes = processes_on_this_machine(backend.world)
+        processes = 1 if backend.world.size == 1 else processes_on_this_machine(backend.world.size)
         if processes > 1:  # every rank as far along (a fine-tuning base loads at its own pace) before the read
             backend.world.barrier()
         # the main rank decides for all: each rank reading the memory alone could get its own answer
@@ -319,17 +319,6 @@ def _read_host_memory(predicted: int, processes: int, settings) -> str | None:
                 f"{FREED_MEMORY_HELD:.1f}x the predicted peak of {predicted / 2**30:.1f} GiB{each}, more than "
                 f"the {memory.available / 2**30:.1f} GiB of {memory.where()} available")
     return None
-
-
-def processes_on_this_machine(world: World) -> int:
-    """How many of a run's processes share this machine's RAM: the launcher's LOCAL_WORLD_SIZE
-    (torchrun, accelerate and `ptbr train --num-processes` set it), else every process."""
-    if world.size == 1:
-        return 1
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world.size)))
-    except ValueError:
-        return world.size
 
 
 def move_previous_run(run_dir: Path, only: list[Path] | None = None) -> Path | None:

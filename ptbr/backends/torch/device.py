@@ -165,11 +165,11 @@ def fit_threads_to_cpus() -> str | None:
 
     import torch
 
-    from ptbr.cpus import usable_cpus
+    from ptbr.cpus import processes_on_this_machine, usable_cpus
 
     # the ranks of a data-parallel run on this machine share them (torchrun, accelerate and ptbr's
     # launcher set OMP_NUM_THREADS themselves; srun or mpirun may not)
-    threads, usable = torch.get_num_threads(), max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads, usable = torch.get_num_threads(), max(1, usable_cpus() // processes_on_this_machine())
     if "OMP_NUM_THREADS" in os.environ or threads <= usable:
         return None
     torch.set_num_threads(usable)

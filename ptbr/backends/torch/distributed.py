@@ -396,10 +396,9 @@ def _why_a_rank_stopped(rank: int, processes: int, exit_code: int, log_file: Pat
     if exit_code >= 0:
         said = [line for line in (log_file.read_text(errors="replace").splitlines() if log_file else [])
                 if line.startswith("error: ")]
-        if said and not said[-1].startswith(f"error: rank {rank} of {processes}"):
-            return said[-1].replace("error: ", f"error: rank {rank} of {processes}: ", 1)
-        if said:
-            return said[-1]
+        if said:  # a line that names no rank yet gets this one's
+            ranked = f"error: rank {rank} of {processes}"
+            return said[-1] if said[-1].startswith(ranked) else said[-1].replace("error: ", f"{ranked}: ", 1)
         return PtbrError(f"rank {rank} of {processes} stopped with exit code {exit_code}", where,
                          "its log names the problem").one_line()
     try:

@@ -1,5 +1,28 @@
-"""`python -m ptbr` runs the same CLI as the `ptbr` console script."""
+"""The process's entry point: the `ptbr` console script and `python -m ptbr` both run `run()`.
 
-from ptbr.cli import command
+It imports the CLI itself, so that Ctrl-C while the CLI's own modules still load, in
+the command's first half second, ends like one a moment later: one line and exit 130, no traceback.
+"""
 
-raise SystemExit(command())
+import sys
+
+
+def run() -> int:
+    """Import the CLI and run the command line; returns the exit code."""
+    try:
+        from ptbr.cli import command
+    except KeyboardInterrupt as exc:
+        from ptbr.errors import Interrupted, interrupted
+
+        words = [word for word in sys.argv[1:] if not word.startswith("-")]
+        print(interrupted(exc, words[0] if words else "").one_line(), file=sys.stderr, flush=True)
+        # the CLI's modules build dataclasses, whose methods are exec()'d strings: CPython remembers an
+        # interrupt that escaped one and would end `python -m ptbr` by SIGINT (-2) whatever it returns;
+        # a string exec'd to the end clears that (as ptbr.cli._forget_caught_interrupts does)
+        exec("pass", {})  # noqa: S102 - a constant string
+        return Interrupted.exit_code
+    return command()
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())

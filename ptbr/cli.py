@@ -256,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _discard(sys.stdout)
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt as exc:  # before the command started (its own stops are its own): still one line, 130
+        from ptbr.errors import Interrupted, interrupted
+
+        words = list(argv) if argv is not None else sys.argv[1:]
+        _say(interrupted(exc, next((word for word in words if word in COMMANDS), "")).one_line())
+        return Interrupted.exit_code
     return code
 
 

@@ -139,7 +139,7 @@ def signal_of(interrupt: KeyboardInterrupt) -> str:
 def interrupted(exc: KeyboardInterrupt, command: str) -> Interrupted:
     """A stop by SIGINT/SIGTERM outside a run's graceful stop, as the CLI says it (and a run's log)."""
     resumes = command in ("train", "finetune")
-    return Interrupted(f"stopped by {signal_of(exc)}", f"ptbr {command}",
+    return Interrupted(f"stopped by {signal_of(exc)}", f"ptbr {command}".strip(),
                        "run the same command again (a training run resumes from its last checkpoint, where it saved "
                        "one)" if resumes else "run the same command again")
 

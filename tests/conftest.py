@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A test suite started in the background of a shell script (`nox -s tests &`, nohup) inherits SIGINT
+# ignored, and so would every `ptbr` the tests start and then stop with SIGINT, as Ctrl-C does (an
+# ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt): they
+# would train on until their timeout. With Python's own handler here, they start with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 PT_TEXT = [
     "O sol nasceu devagar sobre a serra, e a cidade acordou com cheiro de café e pão quente.",

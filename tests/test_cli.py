@@ -380,6 +380,41 @@ def test_ctrl_c_at_any_moment_of_start_up_is_exit_130_without_a_traceback(tmp_pa
     assert "Traceback" not in err and "stopped by SIGINT" in err, err[-3000:]
 
 
+def test_ctrl_c_while_the_cli_itself_loads_is_one_line_and_130(tmp_path):
+    """The half second before the CLI's modules are loaded and its arguments parsed (where the test
+    above's 0.5 s lands on a fast machine) ended with Python's KeyboardInterrupt traceback and -2:
+    the entry point catches it there (and clears CPython's record of it, see the test above), and
+    main() while it builds the parser."""
+    script = ("import sys\n"
+              "class Interrupting:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name == 'ptbr.cli':  # raised in code exec() runs, as in dataclasses' methods\n"
+              "            exec('raise KeyboardInterrupt', {})\n"
+              "sys.meta_path.insert(0, Interrupting())\n"
+              "sys.argv = ['ptbr', '--debug', 'train', '--output', 'run']\n"
+              "from ptbr.__main__ import run\n"
+              "raise SystemExit(run())\n")
+    (tmp_path / "launch.py").write_text(script)  # run with -m, as `python -m ptbr` is (-c exits before the record counts)
+    done = subprocess.run([sys.executable, "-m", "launch"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
+    assert (done.returncode, done.stderr) == (130, "error: stopped by SIGINT (ptbr train); fix: run the same command "
+                                                   "again (a training run resumes from its last checkpoint, where it "
+                                                   "saved one)\n")
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line_and_130(monkeypatch, capsys):
+    import ptbr.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["info", "--output", "run"]) == 130
+    assert capsys.readouterr().err == "error: stopped by SIGINT (ptbr info); fix: run the same command again\n"
+    assert cli.main(["--debug"]) == 130
+    assert capsys.readouterr().err == "error: stopped by SIGINT (ptbr); fix: run the same command again\n"
+
+
 @pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
 def test_a_stop_signal_after_the_command_ended_keeps_its_exit_code(stop):
     """A signal in the second after a run's `done:` line (the interpreter's teardown) ended the

@@ -68,6 +68,9 @@ PRETRAIN_SHAPES = {
 # the pretraining rows' vocabulary: 0 is the bundled sample's (2,048 tokens, a small dataset);
 # on a GPU, random tokens over 32,000 (a real PT-BR tokenizer's size, the output layer's real cost)
 PRETRAIN_VOCAB = {"cpu": 0, "cuda": 32000}
+# the data section's contenders tokenize with tokenizers' own threads, as `ptbr prepare` and a script
+# calling tokenizers do when run (every other worker runs without them)
+PARALLEL_TOKENIZING = ("ptbr-prepare", "tokenizers-prepare")
 # references that may not run everywhere: one that fails is left out of its section, with a note
 OPTIONAL_REFERENCES = {"hf_trainer_compile_graphs": "HF Trainer, torch_compile=True, torch_compile_mode=reduce-overhead"}
 # contenders that run CUDA graphs on a GPU (torch.compile's reduce-overhead mode), by their labels
@@ -81,9 +84,11 @@ def run_worker(kind: str, spec: dict) -> dict:
     """A contender in a fresh process: its RESULT, plus the seconds from its start to its first
     completed step (as its first-step line arrives) and to its exit."""
     started = time.perf_counter()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if kind not in PARALLEL_TOKENIZING:  # (tokenizers warns of its threads where a training worker forks)
+        env["TOKENIZERS_PARALLELISM"] = "false"
     process = subprocess.Popen([sys.executable, str(WORKERS), kind, json.dumps(spec)], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false"))
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     first_step, result, lines = None, None, []
     for line in process.stdout:
         lines.append(line)
@@ -315,8 +320,7 @@ def pretrain_section(args, work: Path) -> list[dict]:
         if failed:  # shown under the table
             rows[first_row]["failed_references"] = {OPTIONAL_REFERENCES[name]: message for name, message in failed.items()}
         if args.device == "cpu":
-            rows[first_row].update(matmul_floor_row(spec, statistics.median(
-                paired_ratio(step["plain_loop"], step["hf_trainer"]))))
+            rows[first_row].update(kernel_floor_row(spec, statistics.median(step["hf_trainer"])))
     return rows
 
 
@@ -423,18 +427,19 @@ def speed_and_memory_rows(section: str, name: str, command: str, device: str, ru
     return rows
 
 
-def matmul_floor_row(spec: dict, trainer_over_plain: float) -> dict:
-    """The plain loop's matrix multiplies per step (torch's profiler) against its step without the
-    profiler, in one fresh process, and the bound they set: every contender runs these same
-    multiplies, so no trainer of this model and precision can be faster than the plain loop by more
-    than its step over them, nor faster than the Trainer by more than that times the Trainer's step
-    over the plain loop's (`trainer_over_plain`, paired within rounds)."""
-    floor = run_worker("matmul-floor", dict(spec, output=str(Path(spec["output"]) / "floor")))
-    share = min(1.0, floor["matmul_s"] / floor["step_s"])
-    print(f"  matrix multiplies: {1000 * floor['matmul_s']:,.0f} ms of a {1000 * floor['step_s']:,.0f} ms step "
-          f"({floor['matmul_calls']} calls)", flush=True)
-    return {"matmul_share": share, "matmul_s": floor["matmul_s"], "floor_step_s": floor["step_s"],
-            "matmul_ceiling": trainer_over_plain / share}
+def kernel_floor_row(spec: dict, trainer_step_s: float) -> dict:
+    """The plain loop's time per step in the kernels every contender runs alike (matrix multiplies,
+    attention, AdamW: the same calls on the same shapes in each), each timed as it runs, in one
+    fresh process (steps with and without that clock alternating), and the bound they set: no
+    trainer running these kernels takes less time a step, so none can be faster than the Trainer
+    (`trainer_step_s`, its median step over the rounds) by more than its step over them."""
+    floor = run_worker("kernel-floor", dict(spec, output=str(Path(spec["output"]) / "floor")))
+    kernels = floor["kernels_s"]
+    floor_s = sum(kernels.values())
+    print("  shared kernels: " + ", ".join(f"{group} {1000 * s:,.0f} ms" for group, s in kernels.items())
+          + f" of a {1000 * floor['step_s']:,.0f} ms step ({floor['kernel_calls']} calls)", flush=True)
+    return {"kernels_s": kernels, "kernel_share": min(1.0, floor_s / floor["step_s"]), "floor_step_s": floor["step_s"],
+            "trainer_step_s": trainer_step_s, "kernel_ceiling": trainer_step_s / floor_s}
 
 
 def make_finetune_base(directory: Path, quick: bool, vocab: int | None = None) -> None:
@@ -624,11 +629,20 @@ def markdown(result: dict) -> str:
         for label, count in (r.get("cudagraph_skips") or {}).items():
             notes.append(f"- {r['name']}: \"{label}\" ran without CUDA graphs in {count} compiled function(s) "
                          "(inductor skipped them; its log says why).")
-        if r.get("matmul_ceiling"):
+        if r.get("kernel_ceiling"):
+            kernels = ", ".join(f"{group} {1000 * seconds:,.0f} ms" for group, seconds in r["kernels_s"].items())
+            floor_ms = 1000 * sum(r["kernels_s"].values())
+            notes.append(f"- {r['name']}: the kernels every contender runs alike ({kernels}; each timed as it runs, "
+                         f"glibc keeping freed memory as in ptbr's runs) take {floor_ms:,.0f} ms a step, "
+                         f"{100 * r['kernel_share']:.0f}% of the plain loop's {1000 * r['floor_step_s']:,.0f} ms in "
+                         f"that process: even with everything else free, no trainer running them could be more than "
+                         f"{r['kernel_ceiling']:.2f}x the Trainer's {1000 * r['trainer_step_s']:,.0f} ms step here "
+                         f"(processes apart: the machine's drift between them is in it).")
+        elif r.get("matmul_ceiling"):  # rows measured before the floor counted attention and AdamW
             notes.append(f"- {r['name']}: matrix multiplies are {1000 * r['matmul_s']:,.0f} ms of the plain loop's "
-                         f"{1000 * r['floor_step_s']:,.0f} ms step ({100 * r['matmul_share']:.0f}%, one process): even "
-                         f"with everything else free, no trainer of this model at this precision could be more than "
-                         f"{r['matmul_ceiling']:.2f}x the Trainer here.")
+                         f"{1000 * r['floor_step_s']:,.0f} ms step ({100 * r['matmul_share']:.0f}%, one process, under "
+                         f"torch's profiler): even with everything else free, no trainer of this model at this "
+                         f"precision could be more than {r['matmul_ceiling']:.2f}x the Trainer here.")
     if notes:
         lines += [""] + notes
     benchmarks = list(dict.fromkeys(r.get("benchmark_command", result["conditions"]["command"]) for r in result["rows"]))

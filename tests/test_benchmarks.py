@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -91,19 +92,47 @@ def test_quick_speed_benchmark_writes_every_row(tmp_path):
     assert [row["reference"] for row in defaults] == ["HF Trainer (its default: fp32)", "HF Trainer, bf16=True"][:len(defaults)]
     # the compile is reported apart: seconds more before the first step, measured from an empty cache
     assert all(row["compile_s"] > 0 and "break_even_steps" in row for row in compiled)
-    # the matrix multiplies' time bounds any trainer's ratio: a number > 1 on the Trainer's row
-    floor = [row for row in pretrain if "matmul_ceiling" in row]
+    # the kernels every contender runs alike (multiplies, attention, AdamW) bound any trainer's ratio:
+    # a number > 0 on the Trainer's row, each group timed as it runs (under a dispatch mode)
+    floor = [row for row in pretrain if "kernel_ceiling" in row]
     assert len(floor) == 1 and floor[0]["reference"] == "HF Trainer" and floor[0] not in compiled
-    # (the multiplies are timed under the profiler and the step without it: on a loaded machine the
-    # first can exceed the second, and the share is then capped at 1)
-    assert 0 < floor[0]["matmul_share"] <= 1 and floor[0]["matmul_s"] > 0 and floor[0]["floor_step_s"] > 0
-    assert floor[0]["matmul_ceiling"] > 0
+    assert set(floor[0]["kernels_s"]) == {"matrix multiplies", "attention", "AdamW"}
+    assert all(seconds > 0 for seconds in floor[0]["kernels_s"].values())
+    # (the kernels are timed in steps apart from the step without the clock: on a loaded machine
+    # their sum can exceed it, and the share is then capped at 1)
+    assert 0 < floor[0]["kernel_share"] <= 1 and floor[0]["floor_step_s"] > 0
+    # the bound: the Trainer's median step over the least time any trainer's step can take
+    trainer_steps = [statistics.median(run["step_s"]) for run in floor[0]["runs"]["hf_trainer"]]
+    assert floor[0]["trainer_step_s"] == statistics.median(trainer_steps)
+    assert floor[0]["kernel_ceiling"] == pytest.approx(floor[0]["trainer_step_s"] / sum(floor[0]["kernels_s"].values()))
     table = (tmp_path / "speed_cpu_quick.md").read_text()
     assert table.count("\n| ") == len(result["rows"]) + 1  # the header, then one line per row
-    assert "compiling took" in table and "matrix multiplies are" in table
+    assert "compiling took" in table and "the kernels every contender runs alike (matrix multiplies " in table
     assert "Reproduce: " in table and "`python benchmarks/speed.py --quick" in table
     measured = [row for row in result["rows"] if row["section"] != "mlx"]  # MLX rows come from their own files
     assert all(row["benchmark_command"].startswith("python benchmarks/speed.py --quick") for row in measured)
+
+
+def test_the_kernel_floor_times_the_shared_kernels_of_forward_backward_and_update():
+    """The floor's clock counts every multiply, attention and AdamW call of a step, forward, backward
+    and update alike, and nothing else (its time would make the floor too high)."""
+    import torch
+    import torch.nn.functional as F
+
+    workers = load_benchmark("speed_workers")
+    w = torch.randn(8, 8, requires_grad=True)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    optimizer = torch.optim.AdamW([w, q], fused=True)
+    clock = workers.kernel_clock()
+    with clock:
+        x = torch.randn(4, 8)
+        attention = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        loss = (x @ w).relu().sum() + attention.exp().sum()  # relu, exp, sum: not shared kernels
+        loss.backward()
+        optimizer.step()
+    # x @ w, then w's gradient (x needs none); attention forward and backward; one fused AdamW
+    assert clock.calls == 2 + 2 + 1
+    assert all(seconds > 0 for seconds in clock.seconds.values()) and set(clock.seconds) == set(workers.SHARED_KERNELS)
 
 
 def test_mlx_results_join_the_table(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A test suite started in the background of a shell script (`nox -s tests &`, nohup) inherits SIGINT
+# A test suite started in the background of a non-interactive shell (`nox -s tests &`) inherits SIGINT
 # ignored, and so would every `ptbr` the tests start and then stop with SIGINT, as Ctrl-C does (an
 # ignored signal stays ignored across exec, and Python then installs no KeyboardInterrupt): they
 # would train on until their timeout. With Python's own handler here, they start with the default.

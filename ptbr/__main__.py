@@ -12,10 +12,9 @@ def run() -> int:
     try:
         from ptbr.cli import command
     except KeyboardInterrupt as exc:
-        from ptbr.errors import Interrupted, interrupted
+        from ptbr.errors import Interrupted, interrupted_before_the_command
 
-        words = [word for word in sys.argv[1:] if not word.startswith("-")]
-        print(interrupted(exc, words[0] if words else "").one_line(), file=sys.stderr, flush=True)
+        print(interrupted_before_the_command(exc, sys.argv[1:]).one_line(), file=sys.stderr, flush=True)
         # the CLI's modules build dataclasses, whose methods are exec()'d strings: CPython remembers an
         # interrupt that escaped one and would end `python -m ptbr` by SIGINT (-2) whatever it returns;
         # a string exec'd to the end clears that (as ptbr.cli._forget_caught_interrupts does)

@@ -257,10 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         _discard(sys.stdout)
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt as exc:  # before the command started (its own stops are its own): still one line, 130
-        from ptbr.errors import Interrupted, interrupted
+        from ptbr.errors import Interrupted, interrupted_before_the_command
 
-        words = list(argv) if argv is not None else sys.argv[1:]
-        _say(interrupted(exc, next((word for word in words if word in COMMANDS), "")).one_line())
+        _say(interrupted_before_the_command(exc, list(argv) if argv is not None else sys.argv[1:]).one_line())
         return Interrupted.exit_code
     return code
 

@@ -144,6 +144,12 @@ def interrupted(exc: KeyboardInterrupt, command: str) -> Interrupted:
                        "one)" if resumes else "run the same command again")
 
 
+def interrupted_before_the_command(exc: KeyboardInterrupt, argv: list[str]) -> Interrupted:
+    """A stop while the CLI still loads or parses `argv`: the command is its first word that is not
+    a flag (ptbr's own flags before it, --debug and --version, take no value)."""
+    return interrupted(exc, next((word for word in argv if not word.startswith("-")), ""))
+
+
 def error_line(exc: BaseException, crash_report: str | None = None, traceback_shown: bool = False) -> str:
     """The one line the CLI prints for an exception (and a run writes to train.log). An unexpected
     one points to its crash report where a run wrote one, else to its traceback (shown above with

@@ -852,3 +852,22 @@ def test_preflight_for_kaggle_plans_the_two_t4s_and_the_bundle_takes_its_config(
     assert "--device auto --backend mlx is not on Kaggle" in capsys.readouterr().err
     assert main([*request, "--output", str(tmp_path / "p6"), "--num-processes", "3"]) == 2  # it became 2, unsaid
     assert "--num-processes 3 is more than Kaggle's 2 GPUs" in capsys.readouterr().err
+
+
+def _probe_the_output_repeatedly(directory: str) -> list[str]:
+    from ptbr.preflight.checks import check_output
+
+    return [c.message for _ in range(300) for c in check_output(directory, None, None, False)
+            if c.status == FAIL]
+
+
+def test_ranks_checking_one_output_at_once_each_find_it_writable(tmp_path):
+    """Under a launcher every rank runs preflight on the same --output at the same moment: each
+    probes it for writing under a name of its own. Before, they shared one probe file, and a rank
+    whose probe the other had just removed failed disk.writable ("No such file or directory")."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        failures = pool.map(_probe_the_output_repeatedly, [str(tmp_path / "plan")] * 4)
+    assert failures == [[], [], [], []]
+    assert list((tmp_path / "plan").iterdir()) == []  # no probe left behind

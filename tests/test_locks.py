@@ -234,12 +234,13 @@ class CommandList:
     def __init__(self, tmp: Path, posargs: list[str] | None = None):
         self.tmp, self.posargs = tmp, posargs or []
         self.installs: list[tuple[str, ...]] = []
+        self.runs: list[tuple[str, ...]] = []
 
     def install(self, *args: str, **_) -> None:
         self.installs.append(args)
 
     def run(self, *args: str, **_) -> None:
-        pass
+        self.runs.append(args)
 
     def run_install(self, *args: str, **_) -> None:
         pass
@@ -288,6 +289,18 @@ def test_sessions_install_the_lock_then_the_checkout_without_dependencies(noxfil
         expected = {"tests": "ci.txt", "kaggle": "ci.txt", "mutants": "ci.txt",
                     "bench": "cuda.txt" if posargs else "cpu.txt"}.get(session, "cpu.txt")
         assert lock.name == expected
+
+
+def test_the_suite_spreads_its_files_over_workers_unless_told_otherwise(noxfile, tmp_path):
+    import os
+
+    workers = str(max(2, min(4, os.cpu_count() or 2)))
+    assert commands(noxfile, "tests", tmp_path).runs == [("pytest", "-n", workers, "--dist", "loadfile")]
+    assert commands(noxfile, "tests", tmp_path, ["tests/test_cli.py"]).runs == [
+        ("pytest", "-n", workers, "--dist", "loadfile", "tests/test_cli.py")]
+    for told in (["-n", "0"], ["-n=3"], ["--numprocesses", "1"], ["-p", "no:xdist"]):
+        assert commands(noxfile, "tests", tmp_path, told).runs == [("pytest", *told)]
+    assert "pytest-xdist" in parse_lock(BUILD.LOCKS["ci"].path)  # the workers come from the lock
 
 
 def test_lint_installs_ruff_as_the_ci_lock_pins_it(noxfile, tmp_path):

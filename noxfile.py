@@ -10,6 +10,7 @@ every session here installs from them.
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import re
 import sys
@@ -169,8 +170,6 @@ def test_workers(posargs: list[str]) -> list[str]:
     them, made once; tests/conftest.py hands out the longest files first). Most of the suite's time
     is spent starting and waiting for `ptbr` processes, which two workers overlap: on a 2-core CI
     machine the whole run took 33 minutes in one process. `nox -s tests -- -n 0` runs it in one."""
-    import os
-
     if "no:xdist" in posargs or any(arg == "-n" or arg.startswith(("-n=", "--numprocesses")) for arg in posargs):
         return []
     return ["-n", str(max(2, min(4, os.cpu_count() or 2))), "--dist", "loadfile"]

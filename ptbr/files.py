@@ -244,6 +244,16 @@ def is_litter(path: str | Path) -> bool:
     return name in OS_LITTER or name.startswith("._")
 
 
+def probe_writable(directory: Path) -> None:
+    """Create `directory` if need be and write a file in it, or raise the OSError that stops it. The
+    probe has this process's own name: every rank of a launch, or two runs starting at once, probe
+    the same folder together."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = aside(directory / "write-test", "tmp")
+    probe.write_text("ok")
+    probe.unlink(missing_ok=True)  # a run holding the folder's lock may have cleared it as a leftover
+
+
 def unwritable_fix(exc: OSError | None = None) -> str:
     """The fix for an --output this process may not write. In ptbr's images ptbr runs as the image's
     user, and a folder mounted from the host belongs to a host user: another path would not help."""

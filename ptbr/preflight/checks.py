@@ -14,7 +14,7 @@ from typing import Any
 
 from ptbr.config import DEFAULT_VOCAB_SIZE, FinetuneConfig, PretrainConfig, get_preset
 from ptbr.errors import PtbrError
-from ptbr.files import aside, unwritable_fix
+from ptbr.files import probe_writable, unwritable_fix
 from ptbr.memory import GIB, Architecture, chunked_loss_from, experts_of, loss_compiled_with_forward
 from ptbr.outputs import folder_refusal, input_refusal
 from ptbr.preflight.hardware import Hardware
@@ -449,10 +449,7 @@ def check_output(output: str, needed: int | None, one_checkpoint: int | None, in
     directory = Path(output)
     checks = []
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = aside(directory / "preflight-write-test", "tmp")  # its own name: every rank probes at once
-        probe.write_text("ok")
-        probe.unlink(missing_ok=True)  # a run holding the lock may have cleared it as a leftover
+        probe_writable(directory)
         checks.append(Check("disk.writable", PASS, str(directory), f"{directory} is writable"))
     except OSError as exc:
         checks.append(Check("disk.writable", FAIL, str(directory), f"cannot write to {directory}: {exc.strerror or exc}",

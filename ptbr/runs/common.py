@@ -36,9 +36,9 @@ from ptbr.errors import (
     interrupted,
 )
 from ptbr.files import (
-    aside,
     first_line,
     first_missing,
+    probe_writable,
     read_json,
     remove_empty_folders,
     remove_leftovers,
@@ -75,10 +75,7 @@ def create_run_dir(output: str) -> Path:
     run_dir = Path(output)
     _refuse_a_folder_that_cannot_hold_a_run(run_dir)
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = aside(run_dir / "write-test", "tmp")  # its own name: two runs starting at once
-        probe.write_text("ok")
-        probe.unlink(missing_ok=True)  # a run holding the lock may have cleared it as a leftover
+        probe_writable(run_dir)
     except OSError as exc:
         raise OutputError(f"cannot create or write the output directory: {exc.strerror or exc}", str(run_dir),
                           unwritable_fix(exc)) from exc

@@ -286,6 +286,7 @@ def command() -> int:
     _forget_caught_interrupts()
     _keep_the_outcome(code)
     _leave_native_threads(code)
+    _spare_the_exit_collections()
     if code:
         from ptbr.commands import end_a_failed_rank
 
@@ -304,6 +305,18 @@ def _leave_native_threads(code: int) -> None:
 
     if any(t.is_alive() and t.name.startswith(NATIVE_THREAD_PREFIX) for t in threading.enumerate()):
         _exit_now(code)
+
+
+def _spare_the_exit_collections() -> None:
+    """The interpreter's exit runs the garbage collector over every object the command's libraries
+    made (torch, transformers, sympy, torch._dynamo): about a second after a `ptbr train` on a 2-core
+    CPU (1.26 s from its `done:` line to the shell's prompt; 0.31 s with this). Frozen, those objects
+    are left out of the exit's collections; they are still freed as the modules holding them are
+    torn down (their `__del__` runs, files close), and only what sits in reference cycles is left to
+    the operating system, as at any exit."""
+    import gc
+
+    gc.freeze()
 
 
 def _exit_now(code: int) -> None:

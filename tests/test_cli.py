@@ -431,6 +431,37 @@ def test_a_stop_signal_after_the_command_ended_keeps_its_exit_code(stop):
     assert (done.returncode, done.stderr) == (0, "") and time.monotonic() - started < 20
 
 
+def held_by_a_module(expression: str) -> str:
+    """Script lines: an object (`expression`) that only a module holds, so that the interpreter's
+    exit frees it as it tears the modules down (its `__del__` then runs there)."""
+    return ("module = type(sys)('held_at_exit')\n"
+            f"module.held = {expression}\n"
+            "sys.modules['held_at_exit'] = module\n"
+            "del module\n")
+
+
+def test_the_exit_leaves_the_libraries_objects_out_of_its_garbage_collections():
+    """After the command, the interpreter's exit collected garbage over every object torch and
+    transformers had made: about a second between a run's `done:` line and the prompt. Those are
+    frozen once the command has returned (the exit's collections skip them), and only then: a
+    module's objects are still torn down, their `__del__` run."""
+    script = ("import atexit, gc, sys\n"
+              "import ptbr.cli as cli\n"
+              "class Held:\n"
+              "    def __del__(self):\n"
+              "        print('torn down', flush=True)\n"
+              + held_by_a_module("Held()") +
+              "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0, flush=True))\n"
+              "def finished(argv=None):\n"
+              "    print('frozen in the command:', gc.get_freeze_count() > 0, flush=True)\n"
+              "    return 0\n"
+              "cli.main = finished\n"
+              "sys.exit(cli.command())\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.splitlines() == ["frozen in the command: False", "frozen at exit: True", "torn down"]
+
+
 def test_a_sigterm_in_the_interpreters_module_teardown_keeps_the_exit_code():
     """The interpreter's teardown puts the signals' defaults back before it tears modules down
     (torch's take most of a second): a SIGTERM then ended a finished `ptbr smoke` or `ptbr train`
@@ -442,10 +473,7 @@ def test_a_sigterm_in_the_interpreters_module_teardown_keeps_the_exit_code():
               "    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGTERM, sleep=time.sleep):\n"
               "        kill(pid, sig)\n"
               "        sleep(1)\n"
-              "module = type(sys)('slow_teardown')\n"
-              "module.held = Slow()\n"
-              "sys.modules['slow_teardown'] = module\n"
-              "del module\n"
+              + held_by_a_module("Slow()") +
               "sys.exit(cli.command())\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (0, "")

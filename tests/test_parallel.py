@@ -457,6 +457,7 @@ def test_preflight_s_load_test_under_a_launcher_closes_the_group_it_joined(toy, 
     checks = json.loads((tmp_path / "plan" / "preflight_report.json").read_text())["checks"]
     assert [c["status"] for c in checks if c["name"] == "model.load_test"] == ["pass"]
     assert gloo_threads_at_exit(tmp_path) == {0: [], 1: []}
+    assert two.stdout.count("preflight (finetune): ") == 1  # rank 0's report; rank 1 checks, and passed
 
 
 def start_a_long_launch(run: Path, env: dict | None = None) -> subprocess.Popen:

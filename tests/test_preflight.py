@@ -352,6 +352,30 @@ def test_a_broken_dataset_fails_preflight(tmp_path, capsys):
     assert "error: 1 check(s) failed: data.dataset" in capsys.readouterr().err
 
 
+def test_under_a_launcher_rank_0_reports_and_the_other_ranks_print_only_their_failures(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """torchrun / accelerate launch start `ptbr preflight` in every rank: each printed the whole
+    report, one after the other, and wrote the same two files. Rank 0 alone does now; another rank
+    checks all the same (another machine may lack what rank 0's has) and prints its failures."""
+    from ptbr.cli import main
+
+    common = ["preflight", "--mode", "pretrain", "--model-size", "tiny", "--seq-len", "64", "--device", "cpu"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main([*common, "--output", str(tmp_path / "quiet")]) == 0
+    assert capsys.readouterr().out == "" and not list((tmp_path / "quiet").rglob("*"))  # (its writability probed)
+    assert main([*common, "--data", str(tmp_path / "nope"), "--output", str(tmp_path / "failed")]) == 10
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        f"rank 1: FAIL  data.dataset  data directory not found: {tmp_path / 'nope'}",
+        f"rank 1: {'':6}{'':12}  fix: give the directory written by `ptbr prepare` (train.bin, val.bin, meta.json)"]
+    assert err.startswith("error: 1 check(s) failed on rank 1: data.dataset (") and not list((tmp_path / "failed").rglob("*"))
+    monkeypatch.setenv("RANK", "0")
+    assert main([*common, "--output", str(tmp_path / "plan")]) == 0
+    assert capsys.readouterr().out.startswith("preflight (pretrain): ")
+    assert (tmp_path / "plan" / "preflight_report.json").exists()
+
+
 def test_flags_of_the_other_mode_are_an_error(tmp_path, capsys):
     from ptbr.cli import main
 

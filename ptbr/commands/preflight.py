@@ -4,6 +4,7 @@ write DIR/preflight_report.json and DIR/recommended_config.json. Exit 10 when a 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ptbr.errors import ConfigError, PreflightFailed
 
@@ -39,14 +40,38 @@ def main(args) -> int:
         # what `auto` is there (torch: the bundle installs no MLX), not what it is on this machine (a Mac's MLX)
         settings = dataclasses.replace(settings, backend="torch")
     quiet_transformers()
-    result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, elsewhere=kaggle)
-    print_result(result, kaggle)
+    rank = launched_rank()
+    if rank:  # another rank of a launch (torchrun, accelerate launch): rank 0 prints the report and writes it
+        result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, write=False,
+                               elsewhere=kaggle)
+        print_failures(result, rank)
+    else:
+        result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, elsewhere=kaggle)
+        print_result(result, kaggle)
     if result.failed:
         names = ", ".join(c.name for c in result.failed)
-        raise PreflightFailed(f"{len(result.failed)} check(s) failed: {names}",
+        raise PreflightFailed(f"{len(result.failed)} check(s) failed{f' on rank {rank}' if rank else ''}: {names}",
                               str(result.report_path or settings.output), "apply the fixes listed above, then run "
                               "preflight again")
     return 0
+
+
+def launched_rank() -> int | None:
+    """This process's rank where a launcher (torchrun, `accelerate launch`) started several of
+    them, each running `ptbr preflight`; None for a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def print_failures(result, rank: int) -> None:
+    """A rank other than 0 of a launch: its failed checks alone, each naming the rank (rank 0
+    prints the whole report; the ranks of one machine would print the same one again)."""
+    width = max(len(c.name) for c in result.failed) if result.failed else 0
+    for check in result.failed:
+        print(f"rank {rank}: {MARK[check.status]}  {check.name:<{width}}  {check.message}")
+        if check.fix:
+            print(f"rank {rank}:       {'':<{width}}  fix: {check.fix}")
 
 
 def print_result(result, kaggle: bool = False) -> None:

@@ -367,3 +367,6 @@ if __name__ == "__main__":
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(given["output"]) / "inductor-cache")
     KINDS[sys.argv[1]](given)
+    import gc
+
+    gc.freeze()  # as `ptbr` does after its command: the exit then skips a second of garbage collection

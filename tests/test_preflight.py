@@ -376,6 +376,28 @@ def test_under_a_launcher_rank_0_reports_and_the_other_ranks_print_only_their_fa
     assert (tmp_path / "plan" / "preflight_report.json").exists()
 
 
+def test_under_a_launcher_the_plan_is_for_its_processes(tmp_path, capsys, monkeypatch):
+    """torchrun --nproc-per-node 2 on a machine of 4 GPUs: preflight planned one process on each
+    of the 4, and `ptbr train --config` under the same launcher refused that config's
+    num_processes 4 (exit 2). The launcher's processes are the run's: the plan is for 2."""
+    import ptbr.preflight
+    from ptbr.cli import main
+
+    monkeypatch.setattr(ptbr.preflight, "probe_hardware", lambda: linux([H100] * 4, ram=240 * GIB, available=230 * GIB))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    common = ["preflight", "--mode", "pretrain", "--model-size", "tiny", "--seq-len", "64", "--batch-size", "4",
+              "--device", "cuda"]
+    main([*common, "--output", str(tmp_path / "plan")])  # (this machine's torch is not the 4 GPUs' CUDA build)
+    assert json.loads((tmp_path / "plan" / "recommended_config.json").read_text())["num_processes"] == "2"
+    assert "--num-processes 2 as given: 2 of the 4 GPUs" in capsys.readouterr().out
+    assert main([*common, "--num-processes", "3", "--output", str(tmp_path / "three")]) == 2
+    assert capsys.readouterr().err.startswith("error: --num-processes 3 in a run of 2 processes (--num-processes); ")
+    monkeypatch.delenv("WORLD_SIZE")  # one process: one on each GPU, as before
+    main([*common, "--output", str(tmp_path / "alone")])
+    assert json.loads((tmp_path / "alone" / "recommended_config.json").read_text())["num_processes"] == "4"
+
+
 def test_flags_of_the_other_mode_are_an_error(tmp_path, capsys):
     from ptbr.cli import main
 

@@ -39,8 +39,10 @@ def main(args) -> int:
         settings, given = dataclasses.replace(settings, **defaults), given | set(defaults)
         # what `auto` is there (torch: the bundle installs no MLX), not what it is on this machine (a Mac's MLX)
         settings = dataclasses.replace(settings, backend="torch")
-    quiet_transformers()
     rank = launched_rank()
+    if rank is not None and not kaggle:
+        settings, given = as_launched(settings, given)
+    quiet_transformers()
     if rank:  # another rank of a launch (torchrun, accelerate launch): rank 0 prints the report and writes it
         result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, write=False,
                                elsewhere=kaggle)
@@ -62,6 +64,17 @@ def launched_rank() -> int | None:
     if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
     return int(os.environ.get("RANK", "0") or 0)
+
+
+def as_launched(settings, given: set[str]):
+    """Under a launcher of N processes, the run is those N (`ptbr train` under it refuses another
+    --num-processes, exit 2, and so does this): planned as `--num-processes N` given, so that
+    recommended_config.json holds a number the run under the same launcher takes, not one process
+    on every GPU of the machine."""
+    from ptbr.commands import processes_to_launch
+
+    processes_to_launch(settings)  # the refusals train makes inside a launcher
+    return dataclasses.replace(settings, num_processes=os.environ["WORLD_SIZE"]), given | {"num_processes"}
 
 
 def print_failures(result, rank: int) -> None:

@@ -43,12 +43,12 @@ def main(args) -> int:
     if rank is not None and not kaggle:
         settings, given = as_launched(settings, given)
     quiet_transformers()
-    if rank:  # another rank of a launch (torchrun, accelerate launch): rank 0 prints the report and writes it
-        result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, write=False,
-                               elsewhere=kaggle)
+    # another rank of a launch (torchrun, accelerate launch) checks too; rank 0 prints the report and writes it
+    result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, write=not rank,
+                           elsewhere=kaggle)
+    if rank:
         print_failures(result, rank)
     else:
-        result = run_preflight(settings, hardware, load_weights=args.load_test, given=given, elsewhere=kaggle)
         print_result(result, kaggle)
     if result.failed:
         names = ", ".join(c.name for c in result.failed)

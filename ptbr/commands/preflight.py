@@ -80,7 +80,7 @@ def as_launched(settings, given: set[str]):
 def print_failures(result, rank: int) -> None:
     """A rank other than 0 of a launch: its failed checks alone, each naming the rank (rank 0
     prints the whole report; the ranks of one machine would print the same one again)."""
-    width = max(len(c.name) for c in result.failed) if result.failed else 0
+    width = max((len(c.name) for c in result.failed), default=0)
     for check in result.failed:
         print(f"rank {rank}: {MARK[check.status]}  {check.name:<{width}}  {check.message}")
         if check.fix:
